@@ -1,0 +1,10 @@
+"""lev-jax: a System One decision engine in JAX/Flax.
+
+Calibrated probabilities over supplied candidates, read from an LLM's next-token distribution;
+the state is computed once and every question continues from its cached prefix.
+"""
+from lev_jax.backbone import Backbone, load_backbone
+from lev_jax.errors import CheckpointError
+
+__all__ = ["Backbone", "CheckpointError", "load_backbone"]
+__version__ = "0.1.0"

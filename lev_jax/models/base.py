@@ -1,0 +1,59 @@
+"""The decoder-only LM shell every backbone shares: embed -> layers -> final norm -> (head on demand).
+
+Subclasses build `self.layers` (an nnx.List of layers with the call signature
+`layer(x, ctx, layer_cache) -> (x, new_layer_cache)`) and say how big the rotary slice is.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from lev_jax.models import cache as cache_lib
+from lev_jax.models.layers import rope_cos_sin
+
+
+class CausalLM(nnx.Module):
+    rot_dim: int
+    rope_theta: float
+
+    def _init_shell(self, cfg, norm, *, dtype, rngs: nnx.Rngs):
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.norm = norm
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nnx.Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, dtype=dtype,
+                                      param_dtype=dtype, rngs=rngs)
+        self.tied = cfg.tie_word_embeddings
+
+    def __call__(self, tokens_BT, cache=None, valid_BT=None, positions_BT=None, readout_BR=None):
+        """Run T new tokens after `cache` (None: no context). Returns (hidden, new_cache) where hidden
+        is the final-normed state at `readout_BR` ([B, R, E], indices into the T new tokens) or at
+        every new token ([B, T, E])."""
+        B, T = tokens_BT.shape
+        if valid_BT is None:
+            valid_BT = jnp.ones((B, T), bool)
+        if positions_BT is None:
+            positions_BT = cache_lib.positions_for(cache, valid_BT)
+        cos, sin = rope_cos_sin(positions_BT, self.rot_dim, self.rope_theta)
+        ctx = {
+            "cos": cos, "sin": sin, "valid": valid_BT,
+            "cache_valid": None if cache is None else cache["valid"],
+            "offset": None if cache is None else cache["offset"],
+        }
+        x = self.embed_tokens(tokens_BT)
+        new_layers = []
+        for i, layer in enumerate(self.layers):
+            x, layer_cache = layer(x, ctx, None if cache is None else cache["layers"][i])
+            new_layers.append(layer_cache)
+        if readout_BR is not None:  # the final norm (and later the head) only where a readout needs it
+            x = jnp.take_along_axis(x, readout_BR[..., None].astype(jnp.int32), axis=1)
+        return self.norm(x), cache_lib.advance(cache, B, valid_BT, tuple(new_layers))
+
+    def head(self, hidden_BRE, token_ids=None):
+        """Vocabulary logits in fp32, over all rows of the head or only `token_ids` ([N] -> [..., N])."""
+        if self.tied:
+            w_VE = self.embed_tokens.embedding[...]
+            w_NE = w_VE if token_ids is None else jnp.take(w_VE, token_ids, axis=0)
+            return jnp.einsum("...e,ne->...n", hidden_BRE, w_NE, preferred_element_type=jnp.float32)
+        w_EV = self.lm_head.kernel[...]
+        w_EN = w_EV if token_ids is None else jnp.take(w_EV, token_ids, axis=1)
+        return jnp.einsum("...e,en->...n", hidden_BRE, w_EN, preferred_element_type=jnp.float32)

@@ -1,0 +1,74 @@
+"""The state cache: one pytree for a computed prefix, forkable to B rows and extendable in place.
+
+    cache = {
+        "offset": int32[]         next slot to write (all rows share it: suffixes are right-padded),
+        "valid":  bool[Bc, S]     which slots hold a real token (bucket padding and suffix padding don't),
+        "pos":    int32[Bc]       position of the next real token per row (= real tokens seen so far),
+        "layers": tuple           per layer: {"k", "v": [Bc, S, K, D]} for attention layers,
+                                  {"conv": [Bc, Kconv-1, C], "state": f32[Bc, H, Dk, Dv]} for DeltaNet layers,
+    }
+
+A cache with Bc = 1 can be extended by B > 1 rows directly: attention reads the shared prefix in
+place and DeltaNet states broadcast, so forking costs nothing until a row's slots are written.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from lev_jax.models.layers import write_slots
+
+
+def empty_cache(batch: int, slots: int, layer_caches: tuple) -> dict:
+    return {
+        "offset": jnp.zeros((), jnp.int32),
+        "valid": jnp.zeros((batch, slots), bool),
+        "pos": jnp.zeros((batch,), jnp.int32),
+        "layers": tuple(layer_caches),
+    }
+
+
+def fork(cache: dict, batch: int) -> dict:
+    """Materialise B copies of a 1-row cache (only needed when the rows will be extended separately
+    and kept; `forward` accepts the 1-row cache with B-row tokens directly)."""
+    return jax.tree.map(lambda x: x if x.ndim == 0 else jnp.broadcast_to(x, (batch,) + x.shape[1:]), cache)
+
+
+def grow(cache: dict, slots: int) -> dict:
+    """Return the cache with room for `slots` slots (zero K/V, invalid), keeping what it holds."""
+    have = cache["valid"].shape[1]
+    if slots <= have:
+        return cache
+    extra = slots - have
+
+    def pad(x, is_slot_axis):
+        if not is_slot_axis:
+            return x
+        widths = [(0, 0)] * x.ndim
+        widths[1] = (0, extra)
+        return jnp.pad(x, widths)
+
+    layers = tuple(
+        {name: pad(arr, name in ("k", "v")) for name, arr in layer.items()} for layer in cache["layers"]
+    )
+    return {**cache, "valid": pad(cache["valid"], True), "layers": layers}
+
+
+def positions_for(cache: dict | None, valid_BT):
+    """Positions of new tokens: each row continues from its own count of real tokens."""
+    counts_BT = jnp.cumsum(valid_BT.astype(jnp.int32), axis=1) - 1
+    if cache is not None:
+        counts_BT = cache["pos"][:, None] + counts_BT
+    return jnp.maximum(counts_BT, 0)
+
+
+def advance(cache: dict | None, batch: int, valid_BT, layers: tuple) -> dict:
+    """The cache after T new tokens (layers already updated by the model). Without a previous
+    cache the result holds exactly the T new slots."""
+    if cache is None:
+        T = valid_BT.shape[1]
+        return {"offset": jnp.asarray(T, jnp.int32), "valid": valid_BT,
+                "pos": valid_BT.sum(axis=1).astype(jnp.int32), "layers": tuple(layers)}
+    valid = write_slots(cache["valid"], valid_BT, cache["offset"], batch)
+    pos = jnp.broadcast_to(cache["pos"], (batch,)) + valid_BT.sum(axis=1).astype(jnp.int32)
+    return {"offset": cache["offset"] + valid_BT.shape[1], "valid": valid, "pos": pos, "layers": tuple(layers)}

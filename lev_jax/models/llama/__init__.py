@@ -1,0 +1,1 @@
+from lev_jax.models.llama.modeling import LlamaConfig, LlamaLM  # noqa: F401

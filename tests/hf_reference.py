@@ -77,3 +77,46 @@ def hf_logits(model, ids, mask=None):
         ids_t = torch.as_tensor(ids, dtype=torch.long)
         kw = {} if mask is None else {"attention_mask": torch.as_tensor(mask, dtype=torch.long)}
         return model(input_ids=ids_t, **kw).logits.float().numpy()
+
+
+def transformers_gguf_model(path):
+    """transformers' own load of a GGUF checkpoint, in fp32 (its GGUF dequantisation and Q/K handling)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    config.torch_dtype = torch.float32
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton,
+                                   torch_dtype=torch.float32)["tensors"]
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    return model
+
+
+def transformers_gguf_tokenizer(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+LLAMA_TINY = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+}
+
+
+def save_llama_family(kind: str, out_dir, seed: int = 0):
+    cfg_cls, model_cls, extra = LLAMA_TINY[kind]
+    cfg = getattr(transformers, cfg_cls)(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                         rms_norm_eps=1e-5, tie_word_embeddings=(kind == "qwen2"), **extra)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(cfg).eval()
+    _randomise(model, seed)
+    model.save_pretrained(out_dir)
+    return model

@@ -44,7 +44,7 @@ def params_dtype(params) -> str:
 
 def bind(params, cfg):
     graphdef, _ = graph(cfg, params_dtype(params))
-    return nnx.merge(graphdef, nnx.State(params))
+    return nnx.merge(graphdef, params)
 
 
 def forward(params, tokens_BT, cache, cfg, *, valid_BT=None, positions_BT=None, readout_BR=None):
@@ -61,10 +61,24 @@ def init_cache(cfg, batch: int, slots: int, dtype="float32"):
     return cache_lib.empty_cache(batch, slots, cfg.layer_cache(batch, slots, jnp.dtype(dtype)))
 
 
-def random_params(cfg, dtype="float32", seed: int = 0):
-    """Random weights with the real initialisers (tests and tiny demos)."""
-    model = cfg.model(dtype=jnp.dtype(dtype), rngs=nnx.Rngs(seed))
-    return nnx.split(model)[1].to_pure_dict()
+def random_params(cfg, dtype="float32", seed: int = 0, init_std: float = 0.02):
+    """Random weights the way HF initialises a fresh model: normal(0, init_std) matrices and
+    embeddings, the modules' own norm inits, A_log = log U(1, 16), a kaiming-sized depthwise conv.
+    Tiny random models for tests and demos."""
+    params = nnx.split(cfg.model(dtype=jnp.dtype(dtype), rngs=nnx.Rngs(seed)))[1].to_pure_dict()
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    out = []
+    for (path, leaf), key in zip(leaves, keys):
+        name = getattr(path[-1], "key", "")
+        if name in ("kernel", "embedding"):
+            leaf = init_std * jax.random.normal(key, leaf.shape, jnp.float32)
+        elif name == "conv1d":
+            leaf = 0.5 * jax.random.normal(key, leaf.shape, jnp.float32)
+        elif name == "A_log":
+            leaf = jnp.log(jax.random.uniform(key, leaf.shape, jnp.float32, 1.0, 16.0))
+        out.append(leaf.astype(jnp.float32 if name in ("A_log", "dt_bias") else dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def abstract_params(cfg, dtype="float32"):

@@ -4,7 +4,7 @@
         "offset": int32[]         next slot to write (all rows share it: suffixes are right-padded),
         "valid":  bool[Bc, S]     which slots hold a real token (bucket padding and suffix padding don't),
         "pos":    int32[Bc]       position of the next real token per row (= real tokens seen so far),
-        "layers": tuple           per layer: {"k", "v": [Bc, S, K, D]} for attention layers,
+        "layers": tuple           per layer: {"k", "v": [Bc, K, S, D]} for attention layers,
                                   {"conv": [Bc, Kconv-1, C], "state": f32[Bc, H, Dk, Dv]} for DeltaNet layers,
     }
 
@@ -41,17 +41,17 @@ def grow(cache: dict, slots: int) -> dict:
         return cache
     extra = slots - have
 
-    def pad(x, is_slot_axis):
-        if not is_slot_axis:
+    def pad(x, axis):
+        if axis is None:
             return x
         widths = [(0, 0)] * x.ndim
-        widths[1] = (0, extra)
+        widths[axis] = (0, extra)
         return jnp.pad(x, widths)
 
     layers = tuple(
-        {name: pad(arr, name in ("k", "v")) for name, arr in layer.items()} for layer in cache["layers"]
+        {name: pad(arr, 2 if name in ("k", "v") else None) for name, arr in layer.items()} for layer in cache["layers"]
     )
-    return {**cache, "valid": pad(cache["valid"], True), "layers": layers}
+    return {**cache, "valid": pad(cache["valid"], 1), "layers": layers}
 
 
 def positions_for(cache: dict | None, valid_BT):

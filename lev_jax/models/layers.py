@@ -1,6 +1,7 @@
 """Building blocks shared by every backbone: norms, rotary embeddings, cached attention, SwiGLU.
 
-Shape suffixes: B batch rows, T new tokens in this call, S cached slots, H query heads,
+Shape suffixes: B batch rows, T new tokens in this call, S cached slots (the cache stores K/V as
+[B, K, S, D]), H query heads,
 K key/value heads, G = H // K query heads per KV head, D head dim, E model width.
 Numerically delicate parts (norm statistics, softmax) run in fp32 whatever the matmul dtype.
 """
@@ -67,47 +68,45 @@ def apply_rope(x_BTHD, cos_BTR, sin_BTR):
     return out.astype(x_BTHD.dtype)
 
 
-def attend(q_BTHD, k_BTKD, v_BTKD, valid_BT, cache_k_BSKD, cache_v_BSKD, cache_valid_BS, scale: float):
+def attend(q_BTHD, k_BTKD, v_BTKD, valid_BT, cache_k_BKSD, cache_v_BKSD, cache_valid_BS, scale: float):
     """Causal GQA attention of T new queries over (cached slots, then the T new keys).
 
-    The cache may hold 1 row shared by all B query rows (a forked prefix is then never copied),
-    or B rows. Cached slots are visible where `cache_valid_BS`; new keys where causal and valid.
-    Two score blocks instead of one concatenated K/V: the shared prefix is read in place.
+    The cache may hold 1 row shared by all B query rows (a forked prefix is then read in place,
+    never copied: matmul broadcasts the batch axis) or B rows. Cached slots are visible where
+    `cache_valid_BS`; new keys where causal and valid. Queries are laid out [B, K, G*T, D] so both
+    products are plain batched matmuls (XLA:CPU runs 5-D einsums with group axes ~2x slower).
     """
     B, T, H, D = q_BTHD.shape
     K = k_BTKD.shape[2]
-    q = q_BTHD.reshape(B, T, K, H // K, D)
-    scores_new = jnp.einsum("btkgd,bskd->bkgts", q, k_BTKD, preferred_element_type=jnp.float32) * scale
+    G = H // K
+    q_BKRD = q_BTHD.reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, D)  # R = (g, t)
+    k_BKTD, v_BKTD = k_BTKD.transpose(0, 2, 1, 3), v_BTKD.transpose(0, 2, 1, 3)
+    f32 = jnp.float32
+    scores_new = jnp.matmul(q_BKRD, k_BKTD.swapaxes(-1, -2), preferred_element_type=f32).reshape(B, K, G, T, T)
     causal_TS = jnp.tril(jnp.ones((T, T), dtype=bool))
     mask_new = causal_TS[None] & valid_BT[:, None, :]  # [B, T, S=T]
-    scores_new = jnp.where(mask_new[:, None, None], scores_new, _MASKED)
-    blocks = [scores_new]
-    if cache_k_BSKD is not None:
-        if cache_k_BSKD.shape[0] == 1 and B > 1:
-            scores_cache = jnp.einsum("btkgd,skd->bkgts", q, cache_k_BSKD[0], preferred_element_type=jnp.float32)
-        else:
-            scores_cache = jnp.einsum("btkgd,bskd->bkgts", q, cache_k_BSKD, preferred_element_type=jnp.float32)
-        mask_cache = cache_valid_BS[:, None, None, None, :]
-        blocks.insert(0, jnp.where(mask_cache, scores_cache * scale, _MASKED))
+    blocks = [jnp.where(mask_new[:, None, None], scores_new * scale, _MASKED)]
+    if cache_k_BKSD is not None:
+        S = cache_k_BKSD.shape[2]
+        scores_cache = jnp.matmul(q_BKRD, cache_k_BKSD.swapaxes(-1, -2), preferred_element_type=f32)
+        scores_cache = scores_cache.reshape(B, K, G, T, S)
+        blocks.insert(0, jnp.where(cache_valid_BS[:, None, None, None, :], scores_cache * scale, _MASKED))
     scores = jnp.concatenate(blocks, axis=-1) if len(blocks) > 1 else blocks[0]
     probs = jax.nn.softmax(scores, axis=-1).astype(v_BTKD.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs[..., -T:], v_BTKD)
-    if cache_k_BSKD is not None:
-        S = cache_k_BSKD.shape[1]
-        p_cache = probs[..., :S]
-        if cache_v_BSKD.shape[0] == 1 and B > 1:
-            out = out + jnp.einsum("bkgts,skd->btkgd", p_cache, cache_v_BSKD[0])
-        else:
-            out = out + jnp.einsum("bkgts,bskd->btkgd", p_cache, cache_v_BSKD)
-    return out.reshape(B, T, H, D)
+    out_BKRD = jnp.matmul(probs[..., -T:].reshape(B, K, G * T, T), v_BKTD)
+    if cache_k_BKSD is not None:
+        out_BKRD = out_BKRD + jnp.matmul(probs[..., :S].reshape(B, K, G * T, S), cache_v_BKSD)
+    return out_BKRD.reshape(B, K, G, T, D).transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
 
 
-def write_slots(buf_BS, new_BT, offset, batch: int):
-    """Write T new entries at slot `offset` of a [Bc, S, ...] buffer, broadcasting Bc=1 to `batch`."""
-    if buf_BS.shape[0] != batch:
-        buf_BS = jnp.broadcast_to(buf_BS, (batch,) + buf_BS.shape[1:])
-    start = (0, offset) + (0,) * (buf_BS.ndim - 2)
-    return jax.lax.dynamic_update_slice(buf_BS, new_BT.astype(buf_BS.dtype), start)
+def write_slots(buf, new, offset, batch: int, axis: int = 1):
+    """Write new entries at slot `offset` along `axis` of a [Bc, ...] buffer, broadcasting Bc=1 to
+    `batch` (that is where a forked row gets its own copy)."""
+    if buf.shape[0] != batch:
+        buf = jnp.broadcast_to(buf, (batch,) + buf.shape[1:])
+    start = [0] * buf.ndim
+    start[axis] = offset
+    return jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), tuple(start))
 
 
 class Attention(nnx.Module):
@@ -151,8 +150,10 @@ class Attention(nnx.Module):
         out = attend(q_BTHD, k_BTKD, v_BTKD, valid_BT, ck, cv, cache_valid_BS, D**-0.5).reshape(B, T, H * D)
         if gate_BTX is not None:
             out = out * jax.nn.sigmoid(gate_BTX)
+        k_BKTD, v_BKTD = k_BTKD.transpose(0, 2, 1, 3), v_BTKD.transpose(0, 2, 1, 3)
         if layer_cache is None:
-            new_cache = {"k": k_BTKD, "v": v_BTKD}
+            new_cache = {"k": k_BKTD, "v": v_BKTD}
         else:
-            new_cache = {"k": write_slots(ck, k_BTKD, offset, B), "v": write_slots(cv, v_BTKD, offset, B)}
+            new_cache = {"k": write_slots(ck, k_BKTD, offset, B, axis=2),
+                         "v": write_slots(cv, v_BKTD, offset, B, axis=2)}
         return self.o_proj(out), new_cache

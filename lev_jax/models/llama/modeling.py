@@ -67,7 +67,7 @@ class LlamaConfig:
         return LlamaLM(self, dtype=dtype, rngs=rngs or nnx.Rngs(0))
 
     def layer_cache(self, batch: int, slots: int, dtype):
-        kv = jnp.zeros((batch, slots, self.num_key_value_heads, self.head_dim), dtype)
+        kv = jnp.zeros((batch, self.num_key_value_heads, slots, self.head_dim), dtype)
         return tuple({"k": kv, "v": kv} for _ in range(self.num_hidden_layers))
 
     def flops_per_token(self, context: int) -> float:

@@ -91,7 +91,7 @@ class Qwen3_5Config:
         out = []
         for kind in self.layer_types:
             if kind == "full_attention":
-                kv = jnp.zeros((batch, slots, self.num_key_value_heads, self.head_dim), dtype)
+                kv = jnp.zeros((batch, self.num_key_value_heads, slots, self.head_dim), dtype)
                 out.append({"k": kv, "v": kv})
             else:
                 out.append({

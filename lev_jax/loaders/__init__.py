@@ -1,0 +1,1 @@
+"""Checkpoint loaders: GGUF files (``lev_jax.loaders.gguf``) and Hugging Face safetensors directories."""

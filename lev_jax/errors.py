@@ -3,3 +3,13 @@
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded: missing, unexpected or mis-shaped tensors, a corrupt file."""
+
+
+class RequestError(ValueError):
+    """A request the engine cannot answer as asked (HTTP 400 api_usage_error)."""
+
+    error_type = "api_usage_error"
+
+
+class TokenLimitError(RequestError):
+    """A request over the token budget, detected before any work (HTTP 413)."""

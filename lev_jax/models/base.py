@@ -57,3 +57,12 @@ class CausalLM(nnx.Module):
         w_EV = self.lm_head.kernel[...]
         w_EN = w_EV if token_ids is None else jnp.take(w_EV, token_ids, axis=1)
         return jnp.einsum("...e,en->...n", hidden_BRE, w_EN, preferred_element_type=jnp.float32)
+
+    def head_rows(self, hidden_BE, ids_BC):
+        """fp32 logits of a different handful of head rows per batch row: [B, E] x [B, C] ids -> [B, C].
+        A readout needs only its label tokens, never the whole vocabulary."""
+        if self.tied:
+            w_BCE = jnp.take(self.embed_tokens.embedding[...], ids_BC, axis=0)
+            return jnp.einsum("be,bce->bc", hidden_BE, w_BCE, preferred_element_type=jnp.float32)
+        w_EBC = jnp.take(self.lm_head.kernel[...], ids_BC, axis=1)  # gather columns; no [E, V] transpose
+        return jnp.einsum("be,ebc->bc", hidden_BE, w_EBC, preferred_element_type=jnp.float32)

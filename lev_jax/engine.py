@@ -35,7 +35,8 @@ NOUL_READOUTS = (labels.BINARY, labels.RATING)
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _read_rows(params, cache, tokens_BT, valid_BT, answer_B, label_ids_BC, cfg):
-    hidden_BRE, _ = models.forward(params, tokens_BT, cache, cfg, valid_BT=valid_BT, readout_BR=answer_B[:, None])
+    hidden_BRE, _ = models.forward(params, tokens_BT, cache, cfg, valid_BT=valid_BT, readout_BR=answer_B[:, None],
+                                   update_cache=False)
     return models.label_logits(params, hidden_BRE[:, 0], label_ids_BC, cfg)
 
 
@@ -151,14 +152,14 @@ class Engine:
         self.group_size = min(self.codes.capacity(), buckets.CODES[-1])
         if self.group_size < 2:
             raise ValueError("the tokenizer offers fewer than two single-token label codes")
-        self.yes_no = self.codes.fixed(labels.YES_NO)
-        self.rating = self.codes.fixed(labels.RATING_CODES)
+        self.yes_no_lead, self.yes_no = self.codes.fixed(labels.YES_NO)
+        self.rating_lead, self.rating = self.codes.fixed(labels.RATING_CODES)
         self._prefill_chunk = buckets.PREFILL_CHUNK
 
     # -- planning ------------------------------------------------------------------------------
-    def _row(self, state_text: str, question_text: str, label_ids) -> _Row:
+    def _row(self, state_text: str, question_text: str, label_ids, lead: str = "") -> _Row:
         p = self.format.build(state_text, question_text, self.layout)
-        return _Row(self.tokenizer.encode(p.suffix), list(label_ids))
+        return _Row(self.tokenizer.encode(p.suffix + lead), list(label_ids))
 
     def _prefix_ids(self, state_text: str) -> list[int]:
         return self.format.encode_prefix(self.format.build(state_text, "", self.layout).prefix)
@@ -194,11 +195,11 @@ class Engine:
             return [_Readout("score", labels.LETTER, len(criteria), [row], [list(range(len(criteria)))])], None
         if self.noul_readout == labels.RATING:
             text = prompt.noul_rating_text(q["instructions"], criteria)
-            row = self._row(state_text, text, [t for _, t in self.rating])
+            row = self._row(state_text, text, [t for _, t in self.rating], self.rating_lead)
             return [_Readout("noul", labels.RATING, 9, [row], [list(range(9))])], None
         orders = [labels.YES_NO] + ([labels.YES_NO[::-1]] if self.option_averaging else [])
         rows = [self._row(state_text, prompt.noul_binary_text(q["instructions"], criteria, o),
-                          [t for _, t in self.yes_no]) for o in orders]
+                          [t for _, t in self.yes_no], self.yes_no_lead) for o in orders]
         return [_Readout("noul", labels.BINARY, 2, rows, [[0, 1]] * len(rows))], None
 
     def _plan(self, state, questions) -> _Plan:

@@ -57,11 +57,16 @@ class LabelCodes:
         """How many letter codes this tokenizer offers in this context (the group size limit)."""
         return len(self.letters(MAX_LETTER_CODES))
 
-    def fixed(self, codes) -> list[tuple[str, int]]:
-        out = []
-        for code in codes:
-            tok = self.token_of(code)
-            if tok is None:
-                raise ValueError(f"the tokenizer splits the label code {code!r} after {self.context[-20:]!r}")
-            out.append((code, tok))
-        return out
+    def fixed(self, codes) -> tuple[str, list[tuple[str, int]]]:
+        """Token ids of a fixed code set and the `lead` text the row must end with before them.
+
+        Usually the separator belongs to the code token (" Yes" after "Answer:", lead ""). Tokenizers
+        that split a separator from what follows (SmolLM2 splits " 0" into " " + "0") read the bare
+        code after a row that already ends with the separator (lead " ")."""
+        attempts = [("", self)] if not self.sep else [("", self), (self.sep, LabelCodes(self.tokenizer, self.context + self.sep, ""))]
+        for lead, reader in attempts:
+            toks = [reader.token_of(code) for code in codes]
+            if all(t is not None for t in toks) and len(set(toks)) == len(toks):
+                return lead, list(zip(codes, toks))
+        raise ValueError(f"the tokenizer has no single token for every code of {tuple(codes)} after "
+                         f"{self.context[-20:]!r}")

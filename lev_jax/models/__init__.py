@@ -47,9 +47,10 @@ def bind(params, cfg):
     return nnx.merge(graphdef, params)
 
 
-def forward(params, tokens_BT, cache, cfg, *, valid_BT=None, positions_BT=None, readout_BR=None):
+def forward(params, tokens_BT, cache, cfg, *, valid_BT=None, positions_BT=None, readout_BR=None,
+            update_cache: bool = True):
     """(hidden, new_cache): the final-normed hidden state at `readout_BR` (or every new token)."""
-    return bind(params, cfg)(tokens_BT, cache, valid_BT, positions_BT, readout_BR)
+    return bind(params, cfg)(tokens_BT, cache, valid_BT, positions_BT, readout_BR, update_cache)
 
 
 def head_logits(params, hidden, cfg, token_ids=None):

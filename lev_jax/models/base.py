@@ -24,10 +24,12 @@ class CausalLM(nnx.Module):
                                       param_dtype=dtype, rngs=rngs)
         self.tied = cfg.tie_word_embeddings
 
-    def __call__(self, tokens_BT, cache=None, valid_BT=None, positions_BT=None, readout_BR=None):
+    def __call__(self, tokens_BT, cache=None, valid_BT=None, positions_BT=None, readout_BR=None,
+                 update_cache: bool = True):
         """Run T new tokens after `cache` (None: no context). Returns (hidden, new_cache) where hidden
         is the final-normed state at `readout_BR` ([B, R, E], indices into the T new tokens) or at
-        every new token ([B, T, E])."""
+        every new token ([B, T, E]). With `update_cache=False` nothing is written (new_cache is None):
+        a readout over a shared prefix never needs B copies of it, nor room in its buffer."""
         B, T = tokens_BT.shape
         if valid_BT is None:
             valid_BT = jnp.ones((B, T), bool)
@@ -38,6 +40,7 @@ class CausalLM(nnx.Module):
             "cos": cos, "sin": sin, "valid": valid_BT,
             "cache_valid": None if cache is None else cache["valid"],
             "offset": None if cache is None else cache["offset"],
+            "update_cache": update_cache,
         }
         x = self.embed_tokens(tokens_BT)
         new_layers = []
@@ -46,7 +49,8 @@ class CausalLM(nnx.Module):
             new_layers.append(layer_cache)
         if readout_BR is not None:  # the final norm (and later the head) only where a readout needs it
             x = jnp.take_along_axis(x, readout_BR[..., None].astype(jnp.int32), axis=1)
-        return self.norm(x), cache_lib.advance(cache, B, valid_BT, tuple(new_layers))
+        new_cache = cache_lib.advance(cache, B, valid_BT, tuple(new_layers)) if update_cache else None
+        return self.norm(x), new_cache
 
     def head(self, hidden_BRE, token_ids=None):
         """Vocabulary logits in fp32, over all rows of the head or only `token_ids` ([N] -> [..., N])."""

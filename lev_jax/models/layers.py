@@ -130,7 +130,7 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(head_dim, eps, zero_centered=zc, dtype=dtype)
         self.qk_norm = qk_norm
 
-    def __call__(self, x_BTE, cos, sin, valid_BT, layer_cache, cache_valid_BS, offset):
+    def __call__(self, x_BTE, cos, sin, valid_BT, layer_cache, cache_valid_BS, offset, update_cache=True):
         B, T, _ = x_BTE.shape
         H, K, D = self.num_heads, self.num_kv_heads, self.head_dim
         q = self.q_proj(x_BTE)
@@ -151,7 +151,9 @@ class Attention(nnx.Module):
         if gate_BTX is not None:
             out = out * jax.nn.sigmoid(gate_BTX)
         k_BKTD, v_BKTD = k_BTKD.transpose(0, 2, 1, 3), v_BTKD.transpose(0, 2, 1, 3)
-        if layer_cache is None:
+        if not update_cache:
+            new_cache = None
+        elif layer_cache is None:
             new_cache = {"k": k_BKTD, "v": v_BKTD}
         else:
             new_cache = {"k": write_slots(ck, k_BKTD, offset, B, axis=2),

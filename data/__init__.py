@@ -1,0 +1,1 @@
+"""``python -m data``: thin entry point into :mod:`lev_jax.data`."""

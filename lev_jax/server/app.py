@@ -1,0 +1,399 @@
+"""The FastAPI application: `POST /v1/systemone`, `GET /v1/models`, `GET /health`, `GET /metrics`.
+
+    app = create_app(engine, ServerConfig(max_pending=64, api_keys={"k1"}))
+
+The engine is anything with `model_name`, `predict_many`, `count_tokens` and `info` (see
+lev_jax.engine); `supports_images` is read if present (default False). docs/API.md is the contract.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import secrets
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from datetime import date
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from lev_jax.errors import RequestError, TokenLimitError
+from lev_jax.server import body as body_lib
+from lev_jax.server import errors as E
+from lev_jax.server import wire
+from lev_jax.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from lev_jax.server.metrics import Metrics
+from lev_jax.server.scheduler import QueueFull, Scheduler, ShuttingDown
+
+log = logging.getLogger("lev_jax.server")
+
+API_KEYS_ENV = "LEV_API_KEYS"
+REQUEST_ID_HEADER = "x-typesafe-request-id"
+ALIAS = "jev-latest"
+RELEASE_DATE = "2026-12-01"
+
+
+def api_keys_from_env(environ=os.environ) -> frozenset[str]:
+    """Keys from $LEV_API_KEYS, separated by commas or whitespace. None set: auth is off."""
+    raw = environ.get(API_KEYS_ENV, "")
+    return frozenset(k for k in raw.replace(",", " ").split() if k)
+
+
+@dataclass
+class ServerConfig:
+    max_pending: int = 64            # queued + running requests; more get 429
+    max_batch_tokens: int = 16384    # input tokens per device call (one bigger request runs alone)
+    max_batch_rows: int = 64         # requests per device call
+    batch_wait_ms: float = 2.0       # an idle server waits this long for a burst to join the first batch
+    timeout_s: float = 60.0          # request deadline, from arrival; 504 past it
+    max_body_bytes: int = 32 << 20   # raw and decompressed body limit; 413 past it
+    drain_timeout_s: float = 60.0    # graceful shutdown: how long to wait for in-flight requests
+    api_keys: frozenset[str] = field(default_factory=frozenset)
+    release_date: str = RELEASE_DATE
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def _error_response(status: int, error_type: str, message: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"detail": {"error_type": error_type, "message": message}}, status_code=status, headers=headers)
+
+
+class RequestContext:
+    """Pure ASGI middleware: a request id on every response, latency/status metrics, and a JSON 500
+    (with the id) for anything unhandled. Pure ASGI, so a client disconnect still reaches the route."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        rid = "req_" + secrets.token_hex(12)
+        scope.setdefault("state", {})["request_id"] = rid
+        t0 = time.perf_counter()
+        status = {"code": 0, "started": False}
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+                status["started"] = True
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != REQUEST_ID_HEADER.encode()]
+                headers.append((REQUEST_ID_HEADER.encode(), rid.encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:  # noqa: BLE001 — anything that escaped the exception handlers
+            log.exception("unhandled error in %s %s (%s)", scope.get("method"), scope.get("path"), rid)
+            if not status["started"]:
+                resp = _error_response(500, E.INTERNAL, f"Internal server error (request {rid})")
+                await resp(scope, receive, send_with_id)
+        finally:
+            route = scope.get("route")
+            path = getattr(route, "path", None) or "unmatched"
+            code = status["code"] or 499  # no response started: the client went away
+            self.metrics.observe_request(scope.get("method", ""), path, code, time.perf_counter() - t0)
+
+
+def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
+    cfg = config or ServerConfig()
+    metrics = Metrics()
+    metrics.max_pending = cfg.max_pending
+    scheduler = Scheduler(engine.predict_many, max_pending=cfg.max_pending, max_batch_tokens=cfg.max_batch_tokens,
+                          max_batch_rows=cfg.max_batch_rows, batch_wait_s=cfg.batch_wait_ms / 1000, metrics=metrics)
+    model_name = engine.model_name
+    accepted_models = {ALIAS, model_name}
+    started = time.time()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await scheduler.start()
+        log.info("serving %s (max_pending=%d, max_batch_tokens=%d, timeout=%gs, auth %s)", model_name,
+                 cfg.max_pending, cfg.max_batch_tokens, cfg.timeout_s, "on" if cfg.api_keys else "off")
+        try:
+            yield
+        finally:
+            n = scheduler.pending
+            if n:
+                log.info("shutting down: finishing %d request(s) in flight", n)
+            if not await scheduler.drain(cfg.drain_timeout_s):
+                log.warning("shutdown: gave up on requests still in flight after %gs", cfg.drain_timeout_s)
+
+    app = FastAPI(title="lev-jax System One API", version=_version(), lifespan=lifespan,
+                  description="A Jev-compatible (TypeSafe System One) decision engine: calibrated probabilities "
+                              "over supplied candidates. Contract: docs/API.md.")
+    app.state.engine = engine
+    app.state.scheduler = scheduler
+    app.state.metrics = metrics
+    app.state.config = cfg
+    app.add_middleware(RequestContext, metrics=metrics)
+
+    # -- error shapes --------------------------------------------------------------------------
+    @app.exception_handler(E.ApiError)
+    async def _api_error(request: Request, exc: E.ApiError):
+        return _error_response(exc.status, exc.error_type, exc.message, exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        etype = E.STATUS_ERROR_TYPES.get(exc.status_code, E.API_USAGE if exc.status_code < 500 else E.INTERNAL)
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        return _error_response(exc.status_code, etype, message, getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        return JSONResponse({"detail": jsonable_encoder(exc.errors())}, status_code=422)
+
+    # -- auth ----------------------------------------------------------------------------------
+    def check_auth(request: Request) -> None:
+        if not cfg.api_keys:
+            return  # auth off: any Authorization header is ignored
+        header = request.headers.get("authorization")
+        if not header:
+            raise E.ApiError(403, E.AUTHENTICATION, "Missing API key: send 'Authorization: Bearer <key>'")
+        scheme, _, token = header.strip().partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            raise E.ApiError(403, E.AUTHENTICATION, "Missing API key: the Authorization header is not 'Bearer <key>'")
+        given = token.encode("utf-8", "surrogateescape")
+        ok = False
+        for key in cfg.api_keys:
+            ok |= hmac.compare_digest(given, key.encode("utf-8"))
+        if not ok:
+            raise E.ApiError(401, E.AUTHENTICATION, "Invalid API key")
+
+    # -- routes --------------------------------------------------------------------------------
+    @app.post("/v1/systemone", response_model=wire.SystemOneResponse, responses=_ERROR_RESPONSES,
+              openapi_extra=_REQUEST_BODY, summary="Answer questions about a state",
+              description="Calibrated probabilities for noul, choice and score questions about one state.")
+    async def systemone(request: Request):
+        t0 = time.perf_counter()
+        check_auth(request)
+        raw = await body_lib.read_body(request, cfg.max_body_bytes)
+        data = body_lib.decode_content(raw, request.headers.get("content-encoding"), cfg.max_body_bytes)
+        ctype = request.headers.get("content-type")
+        parts = None
+        if body_lib.is_multipart(ctype):
+            parts = body_lib.parse_multipart(data, ctype)
+            doc = body_lib.request_from_multipart(parts)
+        else:
+            doc = body_lib.parse_json(data)
+        try:
+            req = wire.SystemOneRequest.model_validate(doc)
+        except ValidationError as e:
+            raise E.from_pydantic(e) from None
+
+        if req.model not in accepted_models:
+            raise E.usage_error(f"Unknown model: {req.model}")
+        boxes = [qid for qid, q in req.questions.items() if q.type == "box"]
+        if boxes:
+            raise E.usage_error(f"Model {model_name} cannot locate boxes: question {boxes[0]!r} has type 'box', "
+                                "which needs a vision model; use noul, choice or score")
+        images = body_lib.resolve_assets(req.assets, parts, req.state, req.questions)
+        if images and not getattr(engine, "supports_images", False):
+            where = sorted({w for img in images for w in img.references})
+            raise E.usage_error(
+                f"Model {model_name} is text-only and cannot read images: the request has {len(images)} image "
+                f"asset(s)" + (f" referenced in {', '.join(where)}" if where else "")
+                + ". Remove the images or use a vision model (not served here yet).")
+
+        questions = {qid: wire.to_engine_question(q) for qid, q in req.questions.items()}
+        try:
+            counts = await run_in_threadpool(engine.count_tokens, req.state, questions)
+        except TokenLimitError as e:
+            raise E.too_large(str(e)) from None
+        except RequestError as e:
+            raise E.ApiError(400, getattr(e, "error_type", E.API_USAGE), str(e)) from None
+
+        try:
+            ticket = scheduler.submit(req.state, questions, counts["input_tokens"])
+        except QueueFull as e:
+            raise E.ApiError(429, E.RATE_LIMIT, f"Server busy: {cfg.max_pending} requests in flight; retry after "
+                             f"{e.retry_after}s", {"Retry-After": str(e.retry_after)}) from None
+        except ShuttingDown:
+            raise E.ApiError(503, E.OVERLOADED, "Server is shutting down", {"Retry-After": "5"}) from None
+
+        remaining = cfg.timeout_s - (time.perf_counter() - t0)
+        try:
+            answers = await _await(request, ticket, max(0.0, remaining))
+        except _ClientGone:
+            metrics.cancelled += 1
+            return Response(status_code=499)
+        except asyncio.TimeoutError:
+            metrics.timeouts += 1
+            raise E.ApiError(504, E.TIMEOUT, f"No answer within the server timeout of {cfg.timeout_s:g}s") from None
+        except TokenLimitError as e:
+            raise E.too_large(str(e)) from None
+        except RequestError as e:
+            raise E.ApiError(400, getattr(e, "error_type", E.API_USAGE), str(e)) from None
+        except ShuttingDown:
+            raise E.ApiError(503, E.OVERLOADED, "Server is shutting down", {"Retry-After": "5"}) from None
+
+        ordered = {}
+        for qid, q in req.questions.items():
+            a = answers[qid]
+            if q.type == "score":  # the legend echoes the request's levels, structured ones unchanged
+                a = {**a, "legend": {str(i): level for i, level in enumerate(q.criteria)}}
+            ordered[qid] = a
+        usage = {"input_tokens": int(counts["input_tokens"]), "output_tokens": len(ordered)}
+        metrics.observe_answer(usage["input_tokens"], usage["output_tokens"])
+        return JSONResponse({"model": model_name, "answers": ordered, "usage": usage,
+                             "x_state_tokens": int(counts.get("state_tokens", 0))})
+
+    async def _await(request: Request, ticket, timeout: float):
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            done, _ = await asyncio.wait({ticket.future, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if ticket.future.done() and not ticket.future.cancelled():
+            return ticket.future.result()
+        scheduler.cancel(ticket)
+        if gone in done:
+            raise _ClientGone()
+        raise asyncio.TimeoutError()
+
+    @app.get("/v1/models", response_model=wire.ModelList, responses={k: _ERROR_RESPONSES[k] for k in (401, 403)},
+             summary="List the models this server answers for")
+    async def models(request: Request):
+        check_auth(request)
+        return {"models": [
+            {"name": ALIAS, "description": f"Alias of {model_name}, the model this server runs.",
+             "release_date": cfg.release_date},
+            {"name": model_name, "description": f"{model_name}: System One decision engine (lev-jax, text only).",
+             "release_date": cfg.release_date},
+        ]}
+
+    @app.get("/health", summary="Liveness, configuration and load")
+    async def health():
+        info = _engine_info(engine)
+        return {
+            "status": "draining" if scheduler.closing else "ok",
+            "model": info.get("model", model_name),
+            "checkpoint": info.get("checkpoint"),
+            "prompt_style": info.get("prompt_style"),
+            "calibrated": info.get("calibrated"),
+            "mode_b": info.get("mode_b"),
+            "noul_readout": info.get("noul_readout"),
+            "option_cap": info.get("option_cap"),
+            "supports_images": bool(getattr(engine, "supports_images", False)),
+            "in_flight": scheduler.pending,
+            "queued": scheduler.queued,
+            "max_pending": cfg.max_pending,
+            "max_batch_tokens": cfg.max_batch_tokens,
+            "timeout_s": cfg.timeout_s,
+            "batches": scheduler.batches,
+            "compiled_programs": info.get("compiled_programs"),
+            "buckets": info.get("buckets"),
+            "auth": bool(cfg.api_keys),
+            "uptime_s": round(time.time() - started, 3),
+            "version": _version(),
+        }
+
+    @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics")
+    async def prometheus():
+        info = _engine_info(engine)
+        extra = {}
+        if isinstance(info.get("compiled_programs"), (int, float)):
+            extra["lev_compiled_programs"] = ("Device programs compiled so far.", info["compiled_programs"])
+        return PlainTextResponse(metrics.render(extra), media_type=METRICS_CONTENT_TYPE)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        comps = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name, sub in _request_schemas().items():
+            comps.setdefault(name, sub)
+        schema["components"]["securitySchemes"] = {"bearer": {
+            "type": "http", "scheme": "bearer",
+            "description": f"Required only when the server has keys in ${API_KEYS_ENV}; otherwise ignored."}}
+        for path in ("/v1/systemone", "/v1/models"):
+            for op in schema["paths"].get(path, {}).values():
+                op["security"] = [{"bearer": []}, {}]
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi
+    return app
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body is already read, so the next ASGI message
+    is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _engine_info(engine) -> dict:
+    try:
+        return dict(engine.info())
+    except Exception:  # noqa: BLE001 — health must answer even if info() breaks
+        log.exception("engine.info() failed")
+        return {}
+
+
+def _version() -> str:
+    try:
+        import lev_jax
+        return lev_jax.__version__
+    except Exception:  # noqa: BLE001
+        return "0"
+
+
+def _request_schemas() -> dict[str, Any]:
+    schema = wire.SystemOneRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+    defs = schema.pop("$defs", {})
+    defs["SystemOneRequest"] = schema
+    for model in (wire.ErrorResponse, wire.HTTPValidationError):
+        s = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        defs.update(s.pop("$defs", {}))
+        defs[model.__name__] = s
+    return defs
+
+
+_REQUEST_BODY = {"requestBody": {
+    "required": True,
+    "description": "JSON, optionally with Content-Encoding zstd, gzip or deflate. Requests with images may be "
+                   "multipart/form-data: a JSON part `request` and one raw part per asset (`asset-0`, ...).",
+    "content": {
+        "application/json": {"schema": {"$ref": "#/components/schemas/SystemOneRequest"}},
+        "multipart/form-data": {"schema": {
+            "type": "object", "required": ["request"],
+            "properties": {"request": {"$ref": "#/components/schemas/SystemOneRequest"}},
+            "additionalProperties": {"type": "string", "format": "binary"}}},
+    }}}
+
+
+def _err(description: str) -> dict:
+    return {"description": description, "model": wire.ErrorResponse}
+
+
+_ERROR_RESPONSES: dict[int | str, dict] = {
+    400: _err("api_usage_error: unknown model, a box question, images for a text-only model, asset problems, "
+              "or a body that cannot be decompressed"),
+    401: _err("authentication_error: wrong API key"),
+    403: _err("authentication_error: missing API key"),
+    413: _err("request_too_large: over the token budget (64k tokens per request, 32k for state + longest question) "
+              "or over the body size limit"),
+    415: _err("api_usage_error: unsupported Content-Encoding"),
+    422: {"description": "Validation error", "model": wire.HTTPValidationError},
+    429: _err("rate_limit_error: the queue is full; see Retry-After"),
+    503: _err("overloaded_error: the server is shutting down; see Retry-After"),
+    504: _err("timeout_error: no answer within the server timeout"),
+}

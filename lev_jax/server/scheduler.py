@@ -1,0 +1,253 @@
+"""Micro-batching scheduler: concurrent requests become one device call, up to a token budget.
+
+One worker task owns the device. It takes the oldest queued requests whose input tokens fit in
+`max_batch_tokens` (a single larger request still runs, alone), hands them to `run_batch` in a
+one-thread executor, and resolves each request's future with its own result: an answer dict or the
+exception the engine returned for that request. While a batch runs, new arrivals queue up and form
+the next batch, so batches grow with load without a fixed wait.
+
+Admission is bounded: at most `max_pending` requests are queued or running; the next one is refused
+(`QueueFull`, answered 429 with Retry-After). A request whose client has gone, or whose deadline
+passed, is cancelled: dropped from the queue if it has not started, its result discarded if it has.
+`close()` refuses new work (`ShuttingDown`, 503) and `drain()` waits for what is in flight.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("lev_jax.server")
+
+RunBatch = Callable[[Sequence[tuple[Any, dict]]], Sequence[Any]]
+
+
+class QueueFull(Exception):
+    def __init__(self, retry_after: int):
+        super().__init__(f"queue full; retry after {retry_after}s")
+        self.retry_after = retry_after
+
+
+class ShuttingDown(Exception):
+    pass
+
+
+@dataclass(eq=False)
+class Ticket:
+    state: Any
+    questions: dict
+    tokens: int
+    future: asyncio.Future
+    enqueued: float = field(default_factory=time.perf_counter)
+    started: float | None = None
+    cancelled: bool = False
+
+    @property
+    def running(self) -> bool:
+        return self.started is not None and not self.future.done()
+
+
+class Scheduler:
+    def __init__(self, run_batch: RunBatch, *, max_pending: int = 64, max_batch_tokens: int = 16384,
+                 max_batch_rows: int = 64, batch_wait_s: float = 0.0, metrics=None):
+        if max_pending < 1 or max_batch_tokens < 1 or max_batch_rows < 1:
+            raise ValueError("max_pending, max_batch_tokens and max_batch_rows must be positive")
+        self.run_batch = run_batch
+        self.max_pending = max_pending
+        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_rows = max_batch_rows
+        self.batch_wait_s = batch_wait_s
+        self.metrics = metrics
+        self._queue: collections.deque[Ticket] = collections.deque()
+        self._running: list[Ticket] = []
+        self._pending = 0  # queued (not cancelled) + running
+        self._wake: asyncio.Event | None = None
+        self._idle: asyncio.Event | None = None
+        self._worker: asyncio.Task | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._closing = False
+        self._batch_s = 0.0   # EMA of batch wall time
+        self._batch_rows = 1.0  # EMA of rows per batch
+        self.batches = 0
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lev-device")
+        self._worker = asyncio.create_task(self._loop(), name="lev-scheduler")
+
+    def close(self) -> None:
+        """Refuse new requests from now on; what is queued or running still completes."""
+        self._closing = True
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    async def drain(self, timeout: float | None = None) -> bool:
+        """Close, wait until nothing is queued or running (True) or `timeout` passes (False), then stop."""
+        self.close()
+        done = True
+        if self._idle is not None and self._pending:
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout)
+            except asyncio.TimeoutError:
+                done = False
+        await self.stop()
+        return done
+
+    async def stop(self) -> None:
+        self._closing = True
+        if self._worker is not None:
+            self._worker.cancel()
+            try:
+                await self._worker
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._worker = None
+        for t in list(self._queue):
+            if not t.future.done():
+                t.future.set_exception(ShuttingDown())
+        self._queue.clear()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    # -- admission -----------------------------------------------------------------------------
+    @property
+    def pending(self) -> int:
+        """Requests admitted and not finished: queued plus running."""
+        return self._pending
+
+    @property
+    def queued(self) -> int:
+        return sum(1 for t in self._queue if not t.cancelled)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def retry_after(self) -> int:
+        """Seconds until a slot is likely free: the batches ahead of a new request times the batch time."""
+        batches_ahead = self._pending / max(1.0, self._batch_rows)
+        return max(1, math.ceil(batches_ahead * self._batch_s))
+
+    def submit(self, state: Any, questions: dict, tokens: int) -> Ticket:
+        if self._closing or self._worker is None:
+            raise ShuttingDown()
+        if self._pending >= self.max_pending:
+            raise QueueFull(self.retry_after())
+        t = Ticket(state, questions, tokens, asyncio.get_running_loop().create_future())
+        self._queue.append(t)
+        self._pending += 1
+        self._idle.clear()
+        self._wake.set()
+        self._gauge()
+        return t
+
+    def cancel(self, t: Ticket) -> None:
+        """The client has gone or the deadline passed: forget the request. A queued one frees its slot
+        now; a running one when its batch ends (the device call cannot be interrupted)."""
+        if t.cancelled:
+            return
+        t.cancelled = True
+        if t.started is None:
+            self._release(t)
+        if not t.future.done():
+            t.future.cancel()
+
+    # -- the worker ----------------------------------------------------------------------------
+    def _release(self, t: Ticket) -> None:
+        self._pending -= 1
+        if self._pending <= 0:
+            self._pending = 0
+            self._idle.set()
+        self._gauge()
+
+    def _gauge(self) -> None:
+        if self.metrics is not None:
+            self.metrics.set_queue(self.queued, self._pending)
+
+    def _take(self) -> list[Ticket]:
+        batch: list[Ticket] = []
+        tokens = 0
+        while self._queue and len(batch) < self.max_batch_rows:
+            t = self._queue[0]
+            if t.cancelled:
+                self._queue.popleft()
+                continue
+            if batch and tokens + t.tokens > self.max_batch_tokens:
+                break
+            self._queue.popleft()
+            batch.append(t)
+            tokens += t.tokens
+        return batch
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not any(not t.cancelled for t in self._queue):
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            if self.batch_wait_s > 0 and self._pending < 2:
+                await asyncio.sleep(self.batch_wait_s)  # let a burst's stragglers join the first batch
+            batch = self._take()
+            if not batch:
+                continue
+            now = time.perf_counter()
+            for t in batch:
+                t.started = now
+            self._running = batch
+            self._gauge()
+            try:
+                results = await loop.run_in_executor(self._executor, self._call, [(t.state, t.questions) for t in batch])
+            except asyncio.CancelledError:
+                for t in batch:
+                    if not t.future.done():
+                        t.future.set_exception(ShuttingDown())
+                raise
+            took = time.perf_counter() - now
+            self.batches += 1
+            self._batch_s = took if self.batches == 1 else 0.8 * self._batch_s + 0.2 * took
+            self._batch_rows = len(batch) if self.batches == 1 else 0.8 * self._batch_rows + 0.2 * len(batch)
+            if self.metrics is not None:
+                self.metrics.observe_batch(len(batch), sum(t.tokens for t in batch), took)
+            self._running = []
+            for t, r in zip(batch, results):
+                if not t.future.done():
+                    if isinstance(r, BaseException):
+                        t.future.set_exception(r)
+                    else:
+                        t.future.set_result(r)
+                self._release(t)  # a cancelled running request held its slot until now, too
+
+    def _call(self, requests: list[tuple[Any, dict]]) -> list[Any]:
+        """run_batch, made total: a whole-batch failure (or a wrong number of results) is retried one
+        request at a time, so one request's problem cannot fail its neighbours."""
+        try:
+            results = list(self.run_batch(requests))
+            if len(results) == len(requests):
+                return results
+            log.error("run_batch returned %d results for %d requests", len(results), len(requests))
+        except Exception as e:  # noqa: BLE001
+            if len(requests) == 1:
+                log.exception("run_batch failed")
+                return [e]
+            log.exception("run_batch failed for a batch of %d; retrying one by one", len(requests))
+        out: list[Any] = []
+        for req in requests:
+            try:
+                r = list(self.run_batch([req]))
+                out.append(r[0] if len(r) == 1 else RuntimeError("run_batch returned no result"))
+            except Exception as e:  # noqa: BLE001
+                out.append(e)
+        return out

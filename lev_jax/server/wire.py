@@ -1,0 +1,216 @@
+"""The wire contract of `POST /v1/systemone` (TypeSafe Jev, as `typesafe-sdk` and `jevcompat` define it).
+
+These pydantic models are the single source of truth for request validation and for the OpenAPI
+document: every limit a request can break is a constraint here, so the 422 a client gets and the
+schema it reads agree. Field order and names follow the official OpenAPI file.
+
+Deviations from the official schema, all stricter and all documented in docs/API.md:
+- choice questions take 2..255 options and score questions 2..10 levels (the documented ranges);
+- question objects and noul criteria reject unknown fields (a typo such as `instruction` would
+  otherwise be answered silently without the text it meant to send).
+"""
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+# Text a client may send wherever the API takes "content": a string, a JSON object or an array.
+StructuredText = Union[str, dict[str, Any], list[Any]]
+
+CHOICE_OPTIONS = (2, 255)
+SCORE_LEVELS = (2, 10)
+
+NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class NoulCriteria(_Strict):
+    """What counts as a yes (`true`) and a no (`false`) answer. Either side may be left out or null."""
+
+    true: StructuredText | None = Field(None, description="What counts as a yes answer.")
+    false: StructuredText | None = Field(None, description="What counts as a no answer.")
+
+
+class NoulQuestion(_Strict):
+    type: Literal["noul"] = Field(description="A yes/no question or statement.")
+    instructions: StructuredText | None = Field(None, description="The yes/no question or statement to evaluate.")
+    criteria: NoulCriteria | None = Field(None, description="Criteria clarifying what counts as yes or no.")
+
+
+class ChoiceQuestion(_Strict):
+    type: Literal["choice"] = Field(description="Select one of the options in criteria.")
+    instructions: StructuredText | None = Field(None, description="What to decide when choosing an option.")
+    criteria: Annotated[
+        dict[NonEmptyStr, StructuredText | None],
+        Field(min_length=CHOICE_OPTIONS[0], max_length=CHOICE_OPTIONS[1],
+              description="Option names (2 to 255, non-empty) mapped to a description, or null for none."),
+    ]
+
+
+class ScoreQuestion(_Strict):
+    type: Literal["score"] = Field(description="Rate against ordered levels; level i scores i.")
+    instructions: StructuredText | None = Field(None, description="What to rate.")
+    criteria: Annotated[
+        list[StructuredText],
+        Field(min_length=SCORE_LEVELS[0], max_length=SCORE_LEVELS[1],
+              description="2 to 10 ordered level descriptions; a level's position is its score. "
+                          "The map form ({\"0\": ...}) is not accepted."),
+    ]
+
+
+class BoxQuestion(_Strict):
+    """Accepted by the schema (the official API has it) but answered 400: this server has no vision model."""
+
+    type: Literal["box"] = Field(description="Locate something in an image (needs a vision model).")
+    instructions: StructuredText | None = Field(None, description="What to locate.")
+
+
+Question = Annotated[Union[NoulQuestion, ChoiceQuestion, ScoreQuestion, BoxQuestion], Field(discriminator="type")]
+
+
+_ASSET_FORMS = {"anyOf": [{"required": ["part"]}, {"required": ["format", "data_base64"]}]}
+
+
+class Asset(_Strict):
+    """An image: inline (`format` + `data_base64`) or, in a multipart request, a raw part (`part`)."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_ASSET_FORMS)
+
+    type: Literal["image"] = Field("image", description="Identifies an image asset.")
+    format: Literal["png", "jpg", "jpeg"] = Field(None, description="Image format; required with data_base64.")
+    data_base64: str = Field(None, description="Base64-encoded image bytes.")
+    part: NonEmptyStr = Field(None, description="Multipart part holding the raw bytes (then data_base64 is ignored).")
+
+    @model_validator(mode="after")
+    def _has_data(self) -> "Asset":
+        if self.part is None and (self.data_base64 is None or self.format is None):
+            raise ValueError("an asset needs format and data_base64 or, in a multipart request, part")
+        return self
+
+
+class SystemOneRequest(BaseModel):
+    """Unknown top-level fields are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(description="Model name: `jev-latest` or a name from GET /v1/models.", examples=["jev-latest"])
+    state: StructuredText = Field(description="The content every question refers to: a string, an object or an array.",
+                                  examples=["I was charged twice. Please help."])
+    questions: Annotated[
+        dict[NonEmptyStr, Question],
+        Field(min_length=1,
+              description="Questions keyed by any non-empty id; answers use the same ids."),
+    ]
+    assets: Annotated[dict[NonEmptyStr, Asset], Field(min_length=1)] | None = Field(
+        None, description="Image assets keyed by the placeholder used for them in state, instructions or criteria.")
+
+
+# ---------------------------------------------------------------- responses (for the OpenAPI document)
+
+class NoulAnswer(BaseModel):
+    type: Literal["noul"]
+    noul: float = Field(ge=0, le=1, description="Probability of yes.")
+
+
+class ChoiceAnswer(BaseModel):
+    type: Literal["choice"]
+    choice: str = Field(description="The most probable option.")
+    confidence: float = Field(ge=0, le=1, description="(max p - 1/n) / (1 - 1/n).")
+    probabilities: dict[str, float] = Field(description="Probability of every option, keyed by option name; sums to 1.")
+
+
+class ScoreAnswer(BaseModel):
+    type: Literal["score"]
+    score: float = Field(description="Expected level: sum of i * p_i.")
+    confidence: float = Field(ge=0, le=1, description="1 - spread around the mode / spread of the uniform distribution.")
+    legend: dict[str, StructuredText] = Field(description="\"0\"..\"n-1\" mapped to the request's levels.")
+    probabilities: dict[str, float] = Field(description="Probability of every level, keyed \"0\"..\"n-1\"; sums to 1.")
+
+
+Answer = Annotated[Union[NoulAnswer, ChoiceAnswer, ScoreAnswer], Field(discriminator="type")]
+
+
+class Usage(BaseModel):
+    input_tokens: int = Field(ge=0, description="Tokens the model read (state once, plus every question row).")
+    output_tokens: int = Field(ge=0, description="Always 0: answers are read from next-token distributions, nothing is generated.")
+
+
+class SystemOneResponse(BaseModel):
+    model_config = ConfigDict(extra="allow", json_schema_extra={
+        "description": "Extension fields are prefixed `x_`."})
+
+    model: str = Field(description="The served model's name (also when the request said jev-latest).")
+    answers: dict[str, Answer]
+    usage: Usage
+    x_state_tokens: int = Field(0, ge=0, description="Extension: tokens of the state prefix, computed once and shared "
+                                                     "by every question row (included once in usage.input_tokens).")
+
+
+class ModelInfo(BaseModel):
+    name: str
+    description: str
+    release_date: str = Field(description="YYYY-MM-DD")
+
+
+class ModelList(BaseModel):
+    models: list[ModelInfo]
+
+
+class ErrorDetail(BaseModel):
+    error_type: str = Field(description="api_usage_error, authentication_error, request_too_large, "
+                                        "rate_limit_error, overloaded_error, timeout_error, not_found_error, internal_error")
+    message: str
+
+
+class ErrorResponse(BaseModel):
+    detail: ErrorDetail
+
+
+class ValidationErrorItem(BaseModel):
+    loc: list[str | int] = Field(description="[\"body\", ...path to the invalid value]")
+    msg: str
+    type: str
+    input: Any = None
+    ctx: dict[str, Any] | None = None
+
+
+class HTTPValidationError(BaseModel):
+    detail: list[ValidationErrorItem]
+
+
+# ---------------------------------------------------------------- wire -> engine
+
+def render_text(value: Any) -> str:
+    """Structured instructions/levels as deterministic text (sorted-key compact JSON); strings unchanged."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(", ", ": "))
+
+
+def to_engine_question(q: NoulQuestion | ChoiceQuestion | ScoreQuestion) -> dict:
+    """A validated wire question in the engine's shape: instructions and score levels as text, option
+    descriptions as sent (the engine renders structured ones), noul criteria keyed yes/no."""
+    out: dict[str, Any] = {"type": q.type, "instructions": render_text(q.instructions)}
+    if isinstance(q, ChoiceQuestion):
+        out["criteria"] = dict(q.criteria)
+    elif isinstance(q, ScoreQuestion):
+        out["criteria"] = [render_text(level) for level in q.criteria]
+    else:
+        c = q.criteria
+        crit = None
+        if c is not None:
+            crit = {}
+            if c.true is not None:
+                crit["yes"] = c.true
+            if c.false is not None:
+                crit["no"] = c.false
+            crit = crit or None
+        out["criteria"] = crit
+    return out

@@ -1,0 +1,200 @@
+"""predict(): equivalence with independent full forwards, invariance, bounded compilation, every type."""
+import math
+
+import numpy as np
+import pytest
+
+import lev_jax
+from lev_jax import RequestError, TokenLimitError, buckets
+from lev_jax.testing import tiny_backbone
+
+STATE = {"customer": "Ann Lee", "message": "My parcel never arrived and I was charged twice. Fix it now!",
+         "history": [{"date": "2026-11-30", "note": "asked for tracking"}], "vip": True}
+
+
+def _questions():
+    return {
+        "intent": {"type": "choice", "instructions": "What does the customer want?",
+                   "criteria": {"refund": "money back", "delivery": "a late or missing parcel",
+                                "billing": {"examples": ["double charge"], "team": "finance"}, "other": None}},
+        "urgency": {"type": "score", "instructions": "How urgent is this ticket?",
+                    "criteria": ["not urgent", "somewhat urgent", "urgent", "critical"]},
+        "angry": {"type": "noul", "instructions": "Is the customer angry?",
+                  "criteria": {"yes": "insults, threats, exclamation", "no": "calm"}},
+        "vip": {"type": "noul", "instructions": "Is this a VIP customer?"},
+    }
+
+
+def _assert_close(a, b, tol=1e-5):
+    assert a.keys() == b.keys()
+    for qid in a:
+        x, y = a[qid], b[qid]
+        assert x["type"] == y["type"]
+        if x["type"] == "noul":
+            assert abs(x["noul"] - y["noul"]) <= tol, qid
+        else:
+            assert x["probabilities"].keys() == y["probabilities"].keys()
+            for k in x["probabilities"]:
+                assert abs(x["probabilities"][k] - y["probabilities"][k]) <= tol, (qid, k)
+
+
+def _check_well_formed(ans):
+    for a in ans.values():
+        if a["type"] == "noul":
+            assert 0.0 <= a["noul"] <= 1.0
+            continue
+        p = np.array(list(a["probabilities"].values()))
+        assert np.all(np.isfinite(p)) and np.all(p > 0) and abs(p.sum() - 1) < 1e-9
+        assert 0.0 <= a["confidence"] <= 1.0
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return lev_jax.Engine(tiny_backbone("llama", seed=1))
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen():
+    return lev_jax.Engine(tiny_backbone("qwen3_5", seed=2))
+
+
+@pytest.mark.parametrize("engine_name", ["tiny_qwen", "tiny"])
+def test_equals_independent_full_forwards(engine_name, request):
+    engine = request.getfixturevalue(engine_name)
+    fast = engine.predict(STATE, _questions())
+    _check_well_formed(fast)
+    _assert_close(fast, engine.predict(STATE, _questions(), reference=True))
+
+
+def test_equals_reference_on_the_embedded_model():
+    engine = lev_jax.load(calibration=None)
+    qs = _questions()
+    fast = engine.predict(STATE, qs)
+    _assert_close(fast, engine.predict(STATE, qs, reference=True))
+    rating = lev_jax.Engine(engine.backbone, noul_readout="rating", prompt_style="plain")
+    _assert_close(rating.predict("The sky is green.", {"true": qs["vip"]}),
+                  rating.predict("The sky is green.", {"true": qs["vip"]}, reference=True))
+
+
+@pytest.mark.parametrize("layout,style", [("schema_first", "chat"), ("state_first", "plain"), ("schema_first", "plain")])
+def test_other_layouts_and_styles(tiny, layout, style):
+    engine = lev_jax.Engine(tiny.backbone, layout=layout, prompt_style=style, noul_readout="rating")
+    fast = engine.predict(STATE, _questions())
+    _check_well_formed(fast)
+    _assert_close(fast, engine.predict(STATE, _questions(), reference=True))
+
+
+def test_answer_is_invariant_to_other_questions(tiny):
+    qs = _questions()
+    alone = {k: tiny.predict(STATE, {k: q})[k] for k, q in qs.items()}
+    together = tiny.predict(STATE, qs)
+    reordered = tiny.predict(STATE, dict(reversed(list(qs.items()))))
+    renamed = tiny.predict(STATE, {f"q{i}": q for i, q in enumerate(qs.values())})
+    extra = tiny.predict(STATE, {**qs, "more": {"type": "choice", "instructions": "Language?",
+                                               "criteria": {f"lang{i}": None for i in range(30)}}})
+    for i, k in enumerate(qs):
+        for other in (together[k], reordered[k], renamed[f"q{i}"], extra[k]):
+            _assert_close({k: alone[k]}, {k: other})
+
+
+def test_no_recompilation_in_steady_state(tiny):
+    rng = np.random.default_rng(0)
+    words = "order parcel refund invoice late broken card account address phone".split()
+
+    def request(state_words, n_questions):
+        state = " ".join(rng.choice(words, state_words))
+        qs = {f"q{i}": {"type": "choice", "instructions": f"Topic {i}?",
+                        "criteria": {w: None for w in rng.choice(words, 3, replace=False)}} for i in range(n_questions)}
+        return state, qs
+
+    # warm up: one request per (prefix bucket, rows bucket) the steady-state traffic below can reach
+    for state_words in (60, 200):
+        for n in (1, 2, 3, 5):
+            tiny.predict(*request(state_words, n))
+    before = tiny.compiled_programs
+    for _ in range(50):
+        tiny.predict(*request(int(rng.integers(60, 200)), int(rng.integers(1, 6))))
+    assert tiny.compiled_programs == before
+
+
+@pytest.mark.parametrize("k", [2, 26, 64, 255])
+def test_choice_sizes(tiny, k):
+    qs = {"c": {"type": "choice", "instructions": "Which code?", "criteria": {f"opt-{i}": None for i in range(k)}}}
+    ans = tiny.predict("ticket 42", qs)["c"]
+    assert list(ans["probabilities"]) == [f"opt-{i}" for i in range(k)]
+    p = np.array(list(ans["probabilities"].values()))
+    assert abs(p.sum() - 1) < 1e-9 and p.min() > 0
+    assert ans["choice"] == f"opt-{int(np.argmax(p))}"
+    assert ans["confidence"] == pytest.approx((k * p.max() - 1) / (k - 1))
+
+
+def test_more_options_than_codes_are_grouped_and_composed(tiny):
+    engine = lev_jax.Engine(tiny.backbone)
+    engine.group_size = 26  # as with a tokenizer that has only single letters
+    qs = {"c": {"type": "choice", "instructions": "Which?", "criteria": {f"o{i}": None for i in range(100)}}}
+    fast = engine.predict("state", qs)
+    _check_well_formed(fast)
+    _assert_close(fast, engine.predict("state", qs, reference=True))
+
+
+@pytest.mark.parametrize("levels", [2, 10])
+def test_score_levels(tiny, levels):
+    crit = [f"level {i}" for i in range(levels)]
+    ans = tiny.predict("x", {"s": {"type": "score", "instructions": "Rate", "criteria": crit}})["s"]
+    p = np.array([ans["probabilities"][str(i)] for i in range(levels)])
+    assert ans["legend"] == {str(i): c for i, c in enumerate(crit)}
+    assert ans["score"] == pytest.approx(float((np.arange(levels) * p).sum()))
+    mode = int(np.argmax(p))
+    spread = np.abs(np.arange(levels) - (levels - 1) / 2).mean()
+    assert ans["confidence"] == pytest.approx(max(0.0, 1 - float((p * np.abs(np.arange(levels) - mode)).sum()) / spread))
+
+
+@pytest.mark.parametrize("criteria", [None, {"yes": "it is"}, {"no": "it is not"}, {"yes": "a", "no": "b"}])
+def test_noul_criteria_forms(tiny, criteria):
+    q = {"type": "noul", "instructions": "Is it raining?"}
+    if criteria is not None:
+        q["criteria"] = criteria
+    ans = tiny.predict("weather report", {"n": q})["n"]
+    assert set(ans) == {"type", "noul"} and 0 < ans["noul"] < 1
+
+
+def test_unicode_option_names_round_trip(tiny):
+    names = ["café ☕", "naïve", "日本語", "emoji 🚀", "Ωmega", "ü-umlaut", "x\ny"]
+    ans = tiny.predict({"städte": ["Zürich", "Kraków"]},
+                       {"ü": {"type": "choice", "instructions": "Wähle", "criteria": {n: None for n in names}}})
+    assert list(ans["ü"]["probabilities"]) == names and ans["ü"]["choice"] in names
+
+
+def test_token_limits_are_checked_before_any_work(tiny):
+    before = tiny.compiled_programs
+    huge_state = "word " * 33000
+    with pytest.raises(TokenLimitError, match="state \\+ longest question"):
+        tiny.predict(huge_state, {"n": {"type": "noul", "instructions": "?"}})
+    many = {f"q{i}": {"type": "choice", "instructions": "pick " * 300, "criteria": {"a": None, "b": None}}
+            for i in range(110)}
+    with pytest.raises(TokenLimitError, match="the request is"):
+        tiny.predict("short", many)
+    assert tiny.compiled_programs == before
+
+
+@pytest.mark.parametrize("questions,message", [
+    ({}, "non-empty"),
+    ({"b": {"type": "box", "instructions": "find the cat"}}, "cannot locate boxes"),
+    ({"x": {"type": "rank", "instructions": ""}}, "unknown type"),
+    ({"c": {"type": "choice", "instructions": "", "criteria": {"only": None}}}, "2-255"),
+    ({"c": {"type": "choice", "instructions": "", "criteria": {str(i): None for i in range(256)}}}, "2-255"),
+    ({"s": {"type": "score", "instructions": "", "criteria": {"low": 0, "high": 1}}}, "list of 2-10"),
+    ({"s": {"type": "score", "instructions": "", "criteria": [str(i) for i in range(11)]}}, "list of 2-10"),
+    ({"n": {"type": "noul", "instructions": "", "criteria": {"maybe": "x"}}}, "'yes' and/or 'no'"),
+])
+def test_bad_questions_are_clear_errors(tiny, questions, message):
+    with pytest.raises(RequestError, match=message):
+        tiny.predict("s", questions)
+
+
+def test_buckets_cover_the_limits():
+    assert buckets.PREFIX[-1] >= 32768 and buckets.SUFFIX[-1] >= 32768
+    assert buckets.fit(65, buckets.PREFIX, "x") == 128
+    with pytest.raises(ValueError):
+        buckets.fit(10**6, buckets.PREFIX, "prefix")
+    assert math.isclose(lev_jax.engine.choice_confidence(np.array([1.0])), 1.0)

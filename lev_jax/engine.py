@@ -10,10 +10,11 @@ answer position goes through the vocabulary head, and only the label-token rows 
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
-import time
+import threading
 from pathlib import Path
 
 import jax
@@ -24,6 +25,7 @@ from lev_jax import buckets, labels, models, prompt
 from lev_jax.backbone import Backbone, load_backbone
 from lev_jax.calibrate import Calibration
 from lev_jax.errors import RequestError, TokenLimitError
+from lev_jax.models import cache as cache_lib
 
 MAX_STATE_PLUS_QUESTION_TOKENS = 32768
 MAX_REQUEST_TOKENS = 65536
@@ -34,10 +36,24 @@ NOUL_READOUTS = (labels.BINARY, labels.RATING)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _read_rows(params, cache, tokens_BT, valid_BT, answer_B, label_ids_BC, cfg):
+def _read_rows(params, cache, prefix_B, tokens_BT, valid_BT, answer_B, label_ids_BC, cfg):
+    """Label logits of B rows continuing a prefix cache. `prefix_B` (None: one shared prefix) picks,
+    per row, its request's prefix out of a cache that stacks several requests' prefixes."""
+    if prefix_B is not None:
+        cache = jax.tree.map(lambda x: x if x.ndim == 0 else jnp.take(x, prefix_B, axis=0), cache)
     hidden_BRE, _ = models.forward(params, tokens_BT, cache, cfg, valid_BT=valid_BT, readout_BR=answer_B[:, None],
                                    update_cache=False)
     return models.label_logits(params, hidden_BRE[:, 0], label_ids_BC, cfg)
+
+
+@dataclasses.dataclass
+class _Usage:
+    processed: int = 0  # tokens that went through the model (state prefix once, every row)
+    cached: int = 0  # state-prefix tokens served from the cross-request cache
+    prefix_seen: bool = False
+
+    def as_dict(self) -> dict:
+        return {"input_tokens": self.processed, "cached_input_tokens": self.cached}
 
 
 @dataclasses.dataclass
@@ -122,7 +138,8 @@ def score_confidence(p: np.ndarray) -> float:
 class _Plan:
     """A request turned into token rows: the shared prefix and each question's readouts."""
 
-    def __init__(self, prefix_ids, questions):
+    def __init__(self, state_text, prefix_ids, questions):
+        self.state_text = state_text
         self.prefix_ids = prefix_ids
         self.questions = questions  # [(qid, q, [readouts of round 1], grouping or None)]
 
@@ -130,7 +147,8 @@ class _Plan:
 class Engine:
     def __init__(self, backbone: Backbone, *, prompt_style: str = "chat", calibration: Calibration | None = None,
                  option_averaging: bool = True, noul_readout: str = labels.BINARY, layout: str = "state_first",
-                 model_name: str | None = None, checkpoint: str | None = None):
+                 model_name: str | None = None, checkpoint: str | None = None,
+                 prefix_cache_bytes: int = 256 << 20):
         if backbone.tokenizer is None:
             raise ValueError("predict() needs a tokenizer; this checkpoint ships none")
         if noul_readout not in NOUL_READOUTS:
@@ -155,6 +173,11 @@ class Engine:
         self.yes_no_lead, self.yes_no = self.codes.fixed(labels.YES_NO)
         self.rating_lead, self.rating = self.codes.fixed(labels.RATING_CODES)
         self._prefill_chunk = buckets.PREFILL_CHUNK
+        # computed state prefixes kept across requests (LRU, bounded by bytes): a client asking a
+        # second batch of questions about the same state pays only for the questions
+        self.prefix_cache_bytes = prefix_cache_bytes
+        self._prefixes: collections.OrderedDict[tuple, tuple[object, int]] = collections.OrderedDict()
+        self._lock = threading.Lock()
 
     # -- planning ------------------------------------------------------------------------------
     def _row(self, state_text: str, question_text: str, label_ids, lead: str = "") -> _Row:
@@ -206,7 +229,7 @@ class Engine:
         if not isinstance(state, (str, dict, list)):
             raise RequestError("state must be a string, an object or an array")
         state_text = prompt.render_state(state)
-        plan = _Plan(self._prefix_ids(state_text), [])
+        plan = _Plan(state_text, self._prefix_ids(state_text), [])
         for qid, q in _validate(questions):
             readouts, groups = self._readouts(state_text, q)
             plan.questions.append((qid, q, readouts, groups))
@@ -227,84 +250,150 @@ class Engine:
 
     # -- execution -----------------------------------------------------------------------------
     def _prefix_cache(self, prefix_ids):
+        """(cache, hit): the prefix's cache, from the LRU when this exact prefix was seen before."""
         p = len(prefix_ids)
         if p == 0:
-            return None
+            return None, False
+        key = tuple(prefix_ids)
+        with self._lock:
+            if key in self._prefixes:
+                self._prefixes.move_to_end(key)
+                return self._prefixes[key][0], True
         pb = buckets.fit(p, buckets.PREFIX[1:], "prefix length")
         tokens = np.zeros((1, pb), np.int32)
         valid = np.zeros((1, pb), bool)
         tokens[0, :p], valid[0, :p] = prefix_ids, True
-        return self.backbone.prefill(tokens, valid, chunk=self._prefill_chunk)
+        cache = self.backbone.prefill(tokens, valid, chunk=self._prefill_chunk)
+        size = sum(x.nbytes for x in jax.tree.leaves(cache))
+        if size <= self.prefix_cache_bytes:
+            with self._lock:
+                self._prefixes[key] = (cache, size)
+                while sum(n for _, n in self._prefixes.values()) > self.prefix_cache_bytes:
+                    self._prefixes.popitem(last=False)
+        return cache, False
+
+    @staticmethod
+    def _calls(rows: list[_Row]) -> list[tuple[list[int], int, int, int]]:
+        """Group rows (shortest first) into device calls: (row indices, rows, suffix, codes buckets).
+        One call unless padding would exceed MAX_PADDED_ROW_TOKENS."""
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i].tokens))
+        groups, current = [], []
+        for i in order:
+            tb = buckets.fit(len(rows[i].tokens), buckets.SUFFIX, "question length")
+            if current and buckets.fit(len(current) + 1, buckets.ROWS, "rows") * tb > buckets.MAX_PADDED_ROW_TOKENS:
+                groups.append(current)
+                current = []
+            current.append(i)
+        groups.append(current)
+        return [(g, buckets.fit(len(g), buckets.ROWS, "rows"),
+                 buckets.fit(max(len(rows[i].tokens) for i in g), buckets.SUFFIX, "question length"),
+                 buckets.fit(max(len(rows[i].label_ids) for i in g), buckets.CODES, "label codes")) for g in groups]
+
+    def programs(self, state, questions) -> set[tuple]:
+        """The device programs (shape-bucket keys) a request's first round needs; a request whose
+        keys were all seen before compiles nothing."""
+        plan = self._plan(state, questions)
+        rows = [r for _, _, rs, _ in plan.questions for ro in rs for r in ro.rows]
+        p = len(plan.prefix_ids)
+        pb = buckets.fit(p, buckets.PREFIX[1:], "prefix length") if p else 0
+        keys = {("prefill", pb)} if pb else set()
+        return keys | {("rows", pb, b, t, c) for _, b, t, c in self._calls(rows)}
+
+    def _read_many(self, entries, usages) -> list[list[np.ndarray]]:
+        """Label logits for every row of every (prefix_ids, rows) entry: each prefix computed once
+        (or taken from the cross-request cache), then all rows of all entries in as few batched
+        calls as fit; several entries' prefixes are stacked and each row reads its own."""
+        caches = []
+        for (prefix_ids, rows), usage in zip(entries, usages):
+            cache, hit = self._prefix_cache(prefix_ids)
+            if not usage.prefix_seen:
+                usage.prefix_seen = True
+                usage.processed += len(prefix_ids)
+                usage.cached += len(prefix_ids) if hit else 0
+            usage.processed += sum(len(r.tokens) for r in rows)
+            caches.append(cache)
+        if len(entries) == 1 or any(c is None for c in caches):
+            return [self._read_rows(c, rows, None) for c, (_, rows) in zip(caches, entries)]
+        stacked = _stack_caches(caches, buckets.fit(len(caches), buckets.ROWS, "requests"))
+        flat = [(k, r) for k, (_, rows) in enumerate(entries) for r in rows]
+        logits = self._read_rows(stacked, [r for _, r in flat], [k for k, _ in flat])
+        out, it = [], iter(logits)
+        for _, rows in entries:
+            out.append([next(it) for _ in rows])
+        return out
 
     def _read(self, prefix_ids, rows: list[_Row]) -> list[np.ndarray]:
-        """Label logits for every row: the prefix once, the rows in as few batched calls as fit."""
-        cache = self._prefix_cache(prefix_ids)
-        order = sorted(range(len(rows)), key=lambda i: len(rows[i].tokens))
-        calls, current = [], []
-        for i in order:
-            cand = current + [i]
-            tb = buckets.fit(len(rows[i].tokens), buckets.SUFFIX, "question length")
-            if current and buckets.fit(len(cand), buckets.ROWS, "rows") * tb > buckets.MAX_PADDED_ROW_TOKENS:
-                calls.append(current)
-                cand = [i]
-            current = cand
-        calls.append(current)
+        """Label logits of `rows` after `prefix_ids` (one entry of `_read_many`; benchmarks and
+        calibration fitting read raw logits through it)."""
+        return self._read_many([(prefix_ids, rows)], [_Usage()])[0]
+
+    def _read_rows(self, cache, rows: list[_Row], prefix_of_row) -> list[np.ndarray]:
         out: list[np.ndarray | None] = [None] * len(rows)
         bb = self.backbone
-        for call in calls:
-            n = len(call)
-            bsz = buckets.fit(n, buckets.ROWS, "rows")
-            tb = buckets.fit(max(len(rows[i].tokens) for i in call), buckets.SUFFIX, "question length")
-            cb = buckets.fit(max(len(rows[i].label_ids) for i in call), buckets.CODES, "label codes")
+        for call, bsz, tb, cb in self._calls(rows):
             tokens = np.zeros((bsz, tb), np.int32)
             valid = np.zeros((bsz, tb), bool)
             answer = np.zeros((bsz,), np.int32)
             ids = np.zeros((bsz, cb), np.int32)
+            prefix = None if prefix_of_row is None else np.zeros((bsz,), np.int32)
             for j, i in enumerate(call):
                 r = rows[i]
                 tokens[j, : len(r.tokens)], valid[j, : len(r.tokens)] = r.tokens, True
                 answer[j] = len(r.tokens) - 1
                 ids[j, : len(r.label_ids)] = r.label_ids
-            logits = np.asarray(_read_rows(bb.params, cache, jnp.asarray(tokens), jnp.asarray(valid),
-                                           jnp.asarray(answer), jnp.asarray(ids), bb.config))
+                if prefix is not None:
+                    prefix[j] = prefix_of_row[i]
+            logits = np.asarray(_read_rows(bb.params, cache, None if prefix is None else jnp.asarray(prefix),
+                                           jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(answer),
+                                           jnp.asarray(ids), bb.config))
             for j, i in enumerate(call):
                 out[i] = logits[j, : len(rows[i].label_ids)]
         return out
 
-    def _read_reference(self, prefix_ids, rows: list[_Row]) -> list[np.ndarray]:
+    def _read_reference(self, entries, usages) -> list[list[np.ndarray]]:
         """One independent full forward per row: no shared prefix, no bucketing (verification)."""
         out = []
-        for r in rows:
-            logits = np.asarray(self.backbone.logits([list(prefix_ids) + r.tokens]))[0, -1]
-            out.append(logits[r.label_ids])
+        for (prefix_ids, rows), usage in zip(entries, usages):
+            usage.processed += sum(len(prefix_ids) + len(r.tokens) for r in rows)
+            per = []
+            for r in rows:
+                logits = np.asarray(self.backbone.logits([list(prefix_ids) + r.tokens]))[0, -1]
+                per.append(logits[r.label_ids])
+            out.append(per)
         return out
 
-    def _run(self, plan: _Plan, reader) -> dict:
-        readouts = [ro for _, _, rs, _ in plan.questions for ro in rs]
-        logits = reader(plan.prefix_ids, [r for ro in readouts for r in ro.rows])
-        it = iter(logits)
-        probs = {id(ro): ro.probs([next(it) for _ in ro.rows], self.calibration) for ro in readouts}
-        # round 2 for grouped choices: read the group winners, then compose
-        state_text = None
-        finals = {}
-        for qid, q, rs, groups in plan.questions:
-            if groups is None:
-                continue
-            winners = [g[int(np.argmax(probs[id(ro)]))] for g, ro in zip(groups, rs)]
-            if state_text is None:
-                state_text = self._state_text
-            finals[qid] = (winners, self._choice_readout(state_text, q, winners))
-        if finals:
-            final_ro = [ro for _, ro in finals.values()]
-            it2 = iter(reader(plan.prefix_ids, [r for ro in final_ro for r in ro.rows]))
-            final_p = {qid: ro.probs([next(it2) for _ in ro.rows], self.calibration) for qid, (_, ro) in finals.items()}
+    def _run(self, plans: list[_Plan], reader, usages) -> list[dict]:
+        """Round 1 (every readout of every plan), round 2 (group winners of large choices), compose."""
+        round1 = [[ro for _, _, rs, _ in plan.questions for ro in rs] for plan in plans]
+        logits = reader([(plan.prefix_ids, [r for ro in ros for r in ro.rows]) for plan, ros in zip(plans, round1)],
+                        usages)
+        probs = {}
+        for ros, per_plan in zip(round1, logits):
+            it = iter(per_plan)
+            for ro in ros:
+                probs[id(ro)] = ro.probs([next(it) for _ in ro.rows], self.calibration)
+        finals = [{qid: self._choice_readout(plan.state_text, q,
+                                             [g[int(np.argmax(probs[id(ro)]))] for g, ro in zip(groups, rs)])
+                   for qid, q, rs, groups in plan.questions if groups is not None} for plan in plans]
+        final_p = [{} for _ in plans]
+        todo = [k for k, f in enumerate(finals) if f]
+        if todo:
+            logits2 = reader([(plans[k].prefix_ids, [r for ro in finals[k].values() for r in ro.rows]) for k in todo],
+                             [usages[k] for k in todo])
+            for k, per_plan in zip(todo, logits2):
+                it = iter(per_plan)
+                final_p[k] = {qid: ro.probs([next(it) for _ in ro.rows], self.calibration)
+                              for qid, ro in finals[k].items()}
+        return [self._answers(plan, probs, fp) for plan, fp in zip(plans, final_p)]
+
+    def _answers(self, plan: _Plan, probs: dict, final_p: dict) -> dict:
         answers = {}
         for qid, q, rs, groups in plan.questions:
             if q["type"] == "choice":
                 keys = list(q["criteria"])
                 if groups is None:
                     p = probs[id(rs[0])]
-                else:
+                else:  # P(option) = P(option | its group) * P(its group's winner | winners)
                     p = np.zeros(len(keys))
                     for gi, (g, ro) in enumerate(zip(groups, rs)):
                         p[g] = probs[id(ro)] * final_p[qid][gi]
@@ -329,17 +418,33 @@ class Engine:
     def predict(self, state, questions, *, reference: bool = False) -> dict:
         """Answers in the Jev shapes. `reference=True` runs one independent full forward per row
         (no shared prefix, no bucketing): slow, for checking the fast path."""
-        plan = self._plan(state, questions)
-        self._state_text = prompt.render_state(state)
-        return self._run(plan, self._read_reference if reference else self._read)
+        return self.predict_with_usage(state, questions, reference=reference)[0]
 
-    def predict_many(self, requests) -> list:
-        out = []
-        for state, questions in requests:
+    def predict_with_usage(self, state, questions, *, reference: bool = False) -> tuple[dict, dict]:
+        """(answers, usage): usage = {"input_tokens": state prefix once + every question row,
+        including round-2 rows of grouped choices, "cached_input_tokens": of those, prefix tokens
+        reused from an earlier request with the same state}."""
+        plan = self._plan(state, questions)
+        usage = _Usage()
+        answers = self._run([plan], self._read_reference if reference else self._read_many, [usage])[0]
+        return answers, usage.as_dict()
+
+    def predict_many(self, requests, *, with_usage: bool = False) -> list:
+        """Many requests in one go (a server's micro-batch): every request's rows share the same
+        batched device calls. Returns, per request, its answers ((answers, usage) with
+        `with_usage`) or the RequestError that request raised; one bad request spoils no other."""
+        out: list = [None] * len(requests)
+        plans, where = [], []
+        for i, (state, questions) in enumerate(requests):
             try:
-                out.append(self.predict(state, questions))
+                plans.append(self._plan(state, questions))
+                where.append(i)
             except RequestError as e:
-                out.append(e)
+                out[i] = e
+        if plans:
+            usages = [_Usage() for _ in plans]
+            for i, answers, usage in zip(where, self._run(plans, self._read_many, usages), usages):
+                out[i] = (answers, usage.as_dict()) if with_usage else answers
         return out
 
     def count_tokens(self, state, questions) -> dict:
@@ -385,6 +490,15 @@ def load(model=None, checkpoint=None, prompt_style: str = "chat", dtype: str = "
     return Engine(bb, prompt_style=prompt_style, calibration=cal,
                   noul_readout=noul_readout or labels.BINARY, model_name=bb.name, checkpoint=checkpoint,
                   **engine_kwargs)
+
+
+def _stack_caches(caches: list[dict], n: int) -> dict:
+    """Several 1-row prefix caches as one n-row cache (rows past len(caches) repeat the first),
+    every one grown to the same number of slots."""
+    slots = max(c["valid"].shape[1] for c in caches)
+    grown = [cache_lib.grow(c, slots) for c in caches]
+    grown += [grown[0]] * (n - len(grown))
+    return jax.tree.map(lambda *xs: jnp.max(jnp.stack(xs)) if xs[0].ndim == 0 else jnp.concatenate(xs, axis=0), *grown)
 
 
 PROFILES = Path(__file__).parent / "profiles"

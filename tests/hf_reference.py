@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import transformers
 
+from scripts.torch_reference import transformers_gguf_model  # noqa: F401
+
 QWEN3_5_TINY = {
     # mixed layer types, GQA (4 query heads over 2 KV heads), value heads > key heads in DeltaNet
     "mixed-gqa": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -77,24 +79,6 @@ def hf_logits(model, ids, mask=None):
         ids_t = torch.as_tensor(ids, dtype=torch.long)
         kw = {} if mask is None else {"attention_mask": torch.as_tensor(mask, dtype=torch.long)}
         return model(input_ids=ids_t, **kw).logits.float().numpy()
-
-
-def transformers_gguf_model(path):
-    """transformers' own load of a GGUF checkpoint, in fp32 (its GGUF dequantisation and Q/K handling)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    config.torch_dtype = torch.float32
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton,
-                                   torch_dtype=torch.float32)["tensors"]
-    model = AutoModelForCausalLM.from_config(config).float().eval()
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    model.tie_weights()
-    return model
 
 
 def transformers_gguf_tokenizer(path):

@@ -101,19 +101,22 @@ def test_no_recompilation_in_steady_state(tiny):
     rng = np.random.default_rng(0)
     words = "order parcel refund invoice late broken card account address phone".split()
 
-    def request(state_words, n_questions):
-        state = " ".join(rng.choice(words, state_words))
+    def request():
+        state = " ".join(rng.choice(words, int(rng.integers(40, 120))))
         qs = {f"q{i}": {"type": "choice", "instructions": f"Topic {i}?",
-                        "criteria": {w: None for w in rng.choice(words, 3, replace=False)}} for i in range(n_questions)}
+                        "criteria": {w: None for w in rng.choice(words, int(rng.integers(2, 6)), replace=False)}}
+              for i in range(int(rng.integers(1, 5)))}
         return state, qs
 
-    # warm up: one request per (prefix bucket, rows bucket) the steady-state traffic below can reach
-    for state_words in (60, 200):
-        for n in (1, 2, 3, 5):
-            tiny.predict(*request(state_words, n))
+    warm = [request() for _ in range(40)]  # the traffic that defines the bucket set
+    for r in warm:
+        tiny.predict(*r)
+    seen = set().union(*(tiny.programs(*r) for r in warm))
     before = tiny.compiled_programs
-    for _ in range(50):
-        tiny.predict(*request(int(rng.integers(60, 200)), int(rng.integers(1, 6))))
+    fresh = [r for r in (request() for _ in range(150)) if tiny.programs(*r) <= seen][:50]
+    assert len(fresh) == 50
+    for r in fresh:  # new requests, new lengths, all inside the bucket set
+        tiny.predict(*r)
     assert tiny.compiled_programs == before
 
 
@@ -194,7 +197,35 @@ def test_bad_questions_are_clear_errors(tiny, questions, message):
 
 def test_buckets_cover_the_limits():
     assert buckets.PREFIX[-1] >= 32768 and buckets.SUFFIX[-1] >= 32768
-    assert buckets.fit(65, buckets.PREFIX, "x") == 128
+    assert buckets.fit(65, buckets.PREFIX, "x") == 80 and buckets.fit(2049, buckets.PREFIX, "x") == 4096
     with pytest.raises(ValueError):
         buckets.fit(10**6, buckets.PREFIX, "prefix")
     assert math.isclose(lev_jax.engine.choice_confidence(np.array([1.0])), 1.0)
+
+
+def test_state_prefix_is_reused_across_requests(tiny):
+    engine = lev_jax.Engine(tiny.backbone)
+    qs = _questions()
+    first, u1 = engine.predict_with_usage(STATE, qs)
+    second, u2 = engine.predict_with_usage(STATE, {"angry": qs["angry"]})
+    assert u1["cached_input_tokens"] == 0 and u2["cached_input_tokens"] > 0
+    assert u1["input_tokens"] == engine.count_tokens(STATE, qs)["input_tokens"]
+    _assert_close({"angry": first["angry"]}, second, tol=1e-6)
+    uncached = lev_jax.Engine(tiny.backbone, prefix_cache_bytes=0)
+    uncached.predict(STATE, qs)
+    assert uncached.predict_with_usage(STATE, qs)[1]["cached_input_tokens"] == 0
+
+
+def test_a_micro_batch_of_requests_equals_each_request_alone(tiny):
+    qs = _questions()
+    requests = [(STATE, qs), ("a short state", {"n": qs["angry"]}), (["x", 1], {"bad": {"type": "box"}}),
+                ({"k": "another state entirely, somewhat longer than the short one"}, qs)]
+    batch = tiny.predict_many(requests, with_usage=True)
+    assert isinstance(batch[2], RequestError)
+    for (state, q), got in zip(requests, batch):
+        if isinstance(got, RequestError):
+            continue
+        answers, usage = got
+        alone, alone_usage = lev_jax.Engine(tiny.backbone, prefix_cache_bytes=0).predict_with_usage(state, q)
+        _assert_close(alone, answers)
+        assert usage["input_tokens"] == alone_usage["input_tokens"]

@@ -1,0 +1,158 @@
+"""predict() against transformers (PyTorch CPU) on the same prompts, in the same run.
+
+    python -m scripts.bench_predict [--ns 1,2,4,8,16,32] [--repeats 3]
+
+A ~330-token state and N 3-option choice questions on the embedded SmolLM2-135M-Instruct. Every
+method reads the same token rows predict() plans (option-order averaging included: 2 rows per
+question) and the same label logits:
+  predict  lev-jax: state prefix once, every row in one bucketed batched call, label rows of the head
+           cold: the prefix is computed in every request (the comparison that counts);
+           warm: the same state was asked about before, its prefix comes from the cross-request cache
+  naive    transformers: one full forward per row (prefix + row)
+  fork     transformers: prefix once, its KV cache copied per row, each row continued from the copy
+  batch    transformers: all rows (prefix + row) left-padded into one batch
+All transformers calls use logits_to_keep=1 (the head only at the last position), their fastest form.
+Prints ms per request, speedups against the fastest transformers method, the marginal cost of a
+question relative to the state, and predict()'s achieved GFLOP/s next to the measured matmul ceiling.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import jax
+import numpy as np
+import torch
+
+import lev_jax
+from lev_jax import buckets
+from lev_jax.loaders.gguf import embedded_default_path
+from scripts.bench_forward import matmul_ceiling
+from scripts.torch_reference import transformers_gguf_model
+
+STATE = (
+    "Customer support ticket #48213, opened 2026-11-28 via the mobile app. The customer, a premium "
+    "subscriber since 2019, writes: I ordered a standing desk and two monitor arms on November 12th "
+    "and paid with my company credit card. The confirmation email promised delivery within five "
+    "working days, but the tracking page has shown 'label created' for two weeks now. I called your "
+    "hotline twice; the first agent told me the parcel was lost and a replacement was on its way, the "
+    "second agent said there was no record of a replacement at all. Meanwhile my card statement shows "
+    "the order was charged twice, once on the 12th and again on the 19th, for 649.00 euros each time. "
+    "I need the desk for a new office that opens on December 5th, so if it cannot arrive before then I "
+    "want the whole order cancelled and both charges refunded. I have attached screenshots of the "
+    "tracking page and of my card statement. Please also tell me why nobody answered the three emails "
+    "I sent to your support address. If this is not resolved by Friday I will dispute the charges with "
+    "my bank and leave a review describing this experience. Account notes: two previous orders, both "
+    "delivered on time; one earlier complaint about a damaged lamp in 2024, resolved with a voucher. "
+    "Preferred contact: email. Language: English. Region: Germany. Warehouse: Leipzig hub."
+)
+TOPICS = [("refund", "cancel", "delivery"), ("billing", "shipping", "account"), ("angry", "calm", "neutral"),
+          ("urgent", "normal", "low"), ("desk", "chair", "lamp"), ("email", "phone", "chat"),
+          ("germany", "france", "spain"), ("premium", "basic", "trial")]
+
+
+def questions(n: int) -> dict:
+    return {f"q{i}": {"type": "choice", "instructions": f"Question {i}: which label fits the ticket best?",
+                      "criteria": {o: None for o in TOPICS[i % len(TOPICS)]}} for i in range(n)}
+
+
+def best_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * min(times)
+
+
+class Torch:
+    def __init__(self, model):
+        self.model = model
+
+    @torch.no_grad()
+    def naive(self, prefix, rows):
+        return [self.model(input_ids=torch.tensor([prefix + r.tokens]), logits_to_keep=1).logits[0, -1, r.label_ids]
+                for r in rows]
+
+    @torch.no_grad()
+    def fork(self, prefix, rows):
+        cache = self.model(input_ids=torch.tensor([prefix]), use_cache=True).past_key_values
+        out = []
+        for r in rows:
+            c = copy.deepcopy(cache)
+            logits = self.model(input_ids=torch.tensor([r.tokens]), past_key_values=c, use_cache=True,
+                                logits_to_keep=1).logits
+            out.append(logits[0, -1, r.label_ids])
+        return out
+
+    @torch.no_grad()
+    def batch(self, prefix, rows):
+        seqs = [prefix + r.tokens for r in rows]
+        T = max(map(len, seqs))
+        ids = torch.zeros((len(seqs), T), dtype=torch.long)
+        mask = torch.zeros((len(seqs), T), dtype=torch.long)
+        for i, s in enumerate(seqs):  # left padding: every row's answer position is the last one
+            ids[i, T - len(s):], mask[i, T - len(s):] = torch.tensor(s), 1
+        logits = self.model(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits[:, -1]
+        return [logits[i, r.label_ids] for i, r in enumerate(rows)]
+
+
+def device_flops(engine, plan) -> float:
+    """FLOPs of the padded device work predict() does for a plan (prefill bucket + row bucket)."""
+    cfg = engine.backbone.config
+    rows = [r for _, _, rs, _ in plan.questions for ro in rs for r in ro.rows]
+    pb = buckets.fit(len(plan.prefix_ids), buckets.PREFIX[1:], "prefix")
+    tb = buckets.fit(max(len(r.tokens) for r in rows), buckets.SUFFIX, "suffix")
+    bb = buckets.fit(len(rows), buckets.ROWS, "rows")
+    return cfg.flops_per_token(pb / 2) * pb + bb * tb * cfg.flops_per_token(pb + tb / 2)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ns", default="1,2,4,8,16,32")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+    ns = [int(x) for x in args.ns.split(",")]
+
+    engine = lev_jax.load(calibration=None)
+    cold = lev_jax.Engine(engine.backbone, prefix_cache_bytes=0)
+    ref = Torch(transformers_gguf_model(embedded_default_path()))
+    print(f"jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__} "
+          f"({torch.get_num_threads()} threads)")
+    plan0 = engine._plan(STATE, questions(1))
+    print(f"state prefix: {len(plan0.prefix_ids)} tokens (chat header + state)")
+    results = []
+    for n in ns:
+        qs = questions(n)
+        plan = engine._plan(STATE, qs)
+        rows = [r for _, _, rs, _ in plan.questions for ro in rs for r in ro.rows]
+        # same prompts, same numbers: check agreement once
+        ours = cold._read(plan.prefix_ids, rows)
+        theirs = ref.fork(plan.prefix_ids, rows)
+        diff = max(float(np.abs(a - b.numpy()).max()) for a, b in zip(ours, theirs))
+        t_pred = best_ms(lambda: cold.predict(STATE, qs), args.repeats)
+        t_warm = best_ms(lambda: engine.predict(STATE, qs), args.repeats)
+        t_ref = {m: best_ms(lambda m=m: getattr(ref, m)(plan.prefix_ids, rows), max(1, args.repeats - (n >= 16)))
+                 for m in ("naive", "fork", "batch")}
+        fastest = min(t_ref, key=t_ref.get)
+        gflops = device_flops(engine, plan) / (t_pred / 1e3) / 1e9
+        results.append((n, len(rows), t_pred, t_ref, fastest, gflops, diff))
+        print(f"N={n:2d} rows={len(rows):2d} predict cold {t_pred:8.1f} warm {t_warm:8.1f} ms | naive "
+              f"{t_ref['naive']:8.1f} fork {t_ref['fork']:8.1f} batch {t_ref['batch']:8.1f} ms | vs {fastest}: "
+              f"cold {t_ref[fastest] / t_pred:5.2f}x warm {t_ref[fastest] / t_warm:5.2f}x | cold {gflops:6.1f} "
+              f"GFLOP/s | max |dlogit| {diff:.1e}", flush=True)
+    ceiling = max(matmul_ceiling([(512, 576, 1536), (2048, 2048, 2048)], 5).values())
+    print(f"matmul ceiling measured in this run: {ceiling:.1f} GFLOP/s")
+    by_n = {r[0]: r[2] for r in results}
+    if 1 in by_n and max(by_n) > 1:
+        n_max = max(by_n)
+        per_q = (by_n[n_max] - by_n[1]) / (n_max - 1)
+        state_ms = by_n[1] - per_q
+        print(f"marginal question cost: {per_q:.1f} ms; state (N=1 minus one question): {state_ms:.1f} ms; "
+              f"ratio {per_q / state_ms:.3f} (target <= 0.2)")
+
+
+if __name__ == "__main__":
+    main()

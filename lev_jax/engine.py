@@ -280,7 +280,8 @@ class Engine:
         groups, current = [], []
         for i in order:
             tb = buckets.fit(len(rows[i].tokens), buckets.SUFFIX, "question length")
-            if current and buckets.fit(len(current) + 1, buckets.ROWS, "rows") * tb > buckets.MAX_PADDED_ROW_TOKENS:
+            full = len(current) == buckets.ROWS[-1]
+            if full or current and buckets.fit(len(current) + 1, buckets.ROWS, "rows") * tb > buckets.MAX_PADDED_ROW_TOKENS:
                 groups.append(current)
                 current = []
             current.append(i)
@@ -314,12 +315,14 @@ class Engine:
             caches.append(cache)
         if len(entries) == 1 or any(c is None for c in caches):
             return [self._read_rows(c, rows, None) for c, (_, rows) in zip(caches, entries)]
-        stacked = _stack_caches(caches, buckets.fit(len(caches), buckets.ROWS, "requests"))
-        flat = [(k, r) for k, (_, rows) in enumerate(entries) for r in rows]
-        logits = self._read_rows(stacked, [r for _, r in flat], [k for k, _ in flat])
-        out, it = [], iter(logits)
-        for _, rows in entries:
-            out.append([next(it) for _ in rows])
+        out = []
+        per_call = buckets.ROWS[-1]
+        for start in range(0, len(entries), per_call):
+            part = entries[start : start + per_call]
+            stacked = _stack_caches(caches[start : start + per_call], buckets.fit(len(part), buckets.ROWS, "requests"))
+            flat = [(k, r) for k, (_, rows) in enumerate(part) for r in rows]
+            it = iter(self._read_rows(stacked, [r for _, r in flat], [k for k, _ in flat]))
+            out.extend([next(it) for _ in rows] for _, rows in part)
         return out
 
     def _read(self, prefix_ids, rows: list[_Row]) -> list[np.ndarray]:

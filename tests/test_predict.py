@@ -229,3 +229,10 @@ def test_a_micro_batch_of_requests_equals_each_request_alone(tiny):
         alone, alone_usage = lev_jax.Engine(tiny.backbone, prefix_cache_bytes=0).predict_with_usage(state, q)
         _assert_close(alone, answers)
         assert usage["input_tokens"] == alone_usage["input_tokens"]
+
+
+def test_more_rows_than_the_largest_row_bucket(tiny):
+    qs = {f"n{i}": {"type": "noul", "instructions": f"Is fact {i} true?"} for i in range(300)}  # 600 rows
+    ans = tiny.predict("facts", qs)
+    assert len(ans) == 300 and all(0 < a["noul"] < 1 for a in ans.values())
+    assert ans["n7"]["noul"] == pytest.approx(tiny.predict("facts", {"n7": qs["n7"]})["n7"]["noul"], abs=1e-5)

@@ -10,12 +10,12 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import os
 import secrets
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from datetime import date
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from lev_jax.errors import RequestError, TokenLimitError
 from lev_jax.server import body as body_lib
@@ -113,7 +114,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     cfg = config or ServerConfig()
     metrics = Metrics()
     metrics.max_pending = cfg.max_pending
-    scheduler = Scheduler(engine.predict_many, max_pending=cfg.max_pending, max_batch_tokens=cfg.max_batch_tokens,
+    scheduler = Scheduler(_batch_runner(engine), max_pending=cfg.max_pending, max_batch_tokens=cfg.max_batch_tokens,
                           max_batch_rows=cfg.max_batch_rows, batch_wait_s=cfg.batch_wait_ms / 1000, metrics=metrics)
     model_name = engine.model_name
     accepted_models = {ALIAS, model_name}
@@ -182,19 +183,14 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     async def systemone(request: Request):
         t0 = time.perf_counter()
         check_auth(request)
-        raw = await body_lib.read_body(request, cfg.max_body_bytes)
-        data = body_lib.decode_content(raw, request.headers.get("content-encoding"), cfg.max_body_bytes)
-        ctype = request.headers.get("content-type")
-        parts = None
-        if body_lib.is_multipart(ctype):
-            parts = body_lib.parse_multipart(data, ctype)
-            doc = body_lib.request_from_multipart(parts)
-        else:
-            doc = body_lib.parse_json(data)
         try:
-            req = wire.SystemOneRequest.model_validate(doc)
-        except ValidationError as e:
-            raise E.from_pydantic(e) from None
+            raw = await body_lib.read_body(request, cfg.max_body_bytes)
+        except ClientDisconnect:
+            metrics.cancelled += 1
+            return Response(status_code=499)
+        args = (raw, request.headers.get("content-encoding"), request.headers.get("content-type"), cfg.max_body_bytes)
+        # small bodies inline; large ones (decompression, JSON, validation) off the event loop
+        req, parts = _parse(*args) if len(raw) < (256 << 10) else await run_in_threadpool(_parse, *args)
 
         if req.model not in accepted_models:
             raise E.usage_error(f"Unknown model: {req.model}")
@@ -222,7 +218,8 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
             ticket = scheduler.submit(req.state, questions, counts["input_tokens"])
         except QueueFull as e:
             raise E.ApiError(429, E.RATE_LIMIT, f"Server busy: {cfg.max_pending} requests in flight; retry after "
-                             f"{e.retry_after}s", {"Retry-After": str(e.retry_after)}) from None
+                             f"{e.retry_after_s:.2f}s", {"Retry-After": str(e.retry_after),
+                                                          "retry-after-ms": str(math.ceil(e.retry_after_s * 1000))}) from None
         except ShuttingDown:
             raise E.ApiError(503, E.OVERLOADED, "Server is shutting down", {"Retry-After": "5"}) from None
 
@@ -241,17 +238,25 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
             raise E.ApiError(400, getattr(e, "error_type", E.API_USAGE), str(e)) from None
         except ShuttingDown:
             raise E.ApiError(503, E.OVERLOADED, "Server is shutting down", {"Retry-After": "5"}) from None
+        except Exception:  # noqa: BLE001 — the engine failed on this request: a server bug, not bad input
+            rid = request.scope.get("state", {}).get("request_id", "?")
+            log.exception("engine failed on request %s", rid)
+            raise E.ApiError(500, E.INTERNAL, f"Internal server error (request {rid})") from None
 
+        usage_reported = {}
+        if isinstance(answers, tuple):  # (answers, usage) from predict_many(..., with_usage=True)
+            answers, usage_reported = answers
         ordered = {}
         for qid, q in req.questions.items():
             a = answers[qid]
             if q.type == "score":  # the legend echoes the request's levels, structured ones unchanged
                 a = {**a, "legend": {str(i): level for i, level in enumerate(q.criteria)}}
             ordered[qid] = a
-        usage = {"input_tokens": int(counts["input_tokens"]), "output_tokens": len(ordered)}
+        input_tokens = int(usage_reported.get("input_tokens", counts["input_tokens"]))
+        usage = {"input_tokens": input_tokens, "output_tokens": len(ordered)}
         metrics.observe_answer(usage["input_tokens"], usage["output_tokens"])
         return JSONResponse({"model": model_name, "answers": ordered, "usage": usage,
-                             "x_state_tokens": int(counts.get("state_tokens", 0))})
+                             "x_cached_input_tokens": int(usage_reported.get("cached_input_tokens", 0))})
 
     async def _await(request: Request, ticket, timeout: float):
         gone = asyncio.ensure_future(_disconnected(request))
@@ -324,11 +329,51 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         for path in ("/v1/systemone", "/v1/models"):
             for op in schema["paths"].get(path, {}).values():
                 op["security"] = [{"bearer": []}, {}]
+        rid = {"description": "Request id (req_ + 24 hex digits), on every response.", "schema": {"type": "string"}}
+        for ops in schema["paths"].values():
+            for op in ops.values():
+                for code, resp in op.get("responses", {}).items():
+                    headers = resp.setdefault("headers", {})
+                    headers[REQUEST_ID_HEADER] = rid
+                    if code in ("429", "503"):
+                        headers["Retry-After"] = {"description": "Seconds to wait before retrying (integer, >= 1).",
+                                                  "schema": {"type": "integer"}}
+                    if code == "429":
+                        headers["retry-after-ms"] = {"description": "The same wait in milliseconds (what the SDKs read first).",
+                                                     "schema": {"type": "integer"}}
         app.openapi_schema = schema
         return schema
 
     app.openapi = openapi
     return app
+
+
+def _parse(raw: bytes, content_encoding: str | None, content_type: str | None, max_bytes: int):
+    """Body bytes -> (validated request, multipart parts or None); raises ApiError / RequestValidationError."""
+    data = body_lib.decode_content(raw, content_encoding, max_bytes)
+    parts = None
+    if body_lib.is_multipart(content_type):
+        parts = body_lib.parse_multipart(data, content_type)
+        doc = body_lib.request_from_multipart(parts)
+    else:
+        doc = body_lib.parse_json(data)
+    try:
+        return wire.SystemOneRequest.model_validate(doc), parts
+    except ValidationError as e:
+        raise E.from_pydantic(e) from None
+
+
+def _batch_runner(engine):
+    """engine.predict_many, asking for per-request usage when the engine can report it."""
+    import inspect
+
+    try:
+        with_usage = "with_usage" in inspect.signature(engine.predict_many).parameters
+    except (TypeError, ValueError):
+        with_usage = False
+    if with_usage:
+        return lambda requests: engine.predict_many(requests, with_usage=True)
+    return engine.predict_many
 
 
 async def _disconnected(request: Request) -> None:

@@ -114,6 +114,8 @@ def _reject_constant(name: str):
 
 def parse_json(data: bytes) -> Any:
     """JSON as FastAPI reads it, but strict: NaN/Infinity and invalid UTF-8 are decode errors too."""
+    if not data:
+        raise validation_error((), "Field required", "missing", None)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:

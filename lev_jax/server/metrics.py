@@ -34,7 +34,7 @@ class Histogram:
     def lines(self, name: str, labels: str = "") -> list[str]:
         out, cum = [], 0
         sep = "," if labels else ""
-        for b, c in zip(self.buckets, self.counts):
+        for b, c in zip(self.buckets, self.counts, strict=True):
             cum += c
             out.append(f'{name}_bucket{{{labels}{sep}le="{_num(b)}"}} {cum}')
         out.append(f'{name}_bucket{{{labels}{sep}le="+Inf"}} {self.count}')

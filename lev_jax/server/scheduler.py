@@ -29,9 +29,14 @@ RunBatch = Callable[[Sequence[tuple[Any, dict]]], Sequence[Any]]
 
 
 class QueueFull(Exception):
-    def __init__(self, retry_after: int):
-        super().__init__(f"queue full; retry after {retry_after}s")
-        self.retry_after = retry_after
+    def __init__(self, retry_after_s: float):
+        super().__init__(f"queue full; retry after {retry_after_s:.2f}s")
+        self.retry_after_s = retry_after_s
+
+    @property
+    def retry_after(self) -> int:
+        """Whole seconds, as the Retry-After header needs them (at least 1)."""
+        return max(1, math.ceil(self.retry_after_s))
 
 
 class ShuttingDown(Exception):
@@ -83,6 +88,15 @@ class Scheduler:
         self._idle.set()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lev-device")
         self._worker = asyncio.create_task(self._loop(), name="lev-scheduler")
+        self._worker.add_done_callback(self._worker_done)
+
+    def _worker_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("the scheduler's worker died; refusing new requests", exc_info=task.exception())
+            self._closing = True
+            for t in list(self._queue):
+                if not t.future.done():
+                    t.future.set_exception(ShuttingDown())
 
     def close(self) -> None:
         """Refuse new requests from now on; what is queued or running still completes."""
@@ -135,10 +149,11 @@ class Scheduler:
     def running(self) -> int:
         return len(self._running)
 
-    def retry_after(self) -> int:
-        """Seconds until a slot is likely free: the batches ahead of a new request times the batch time."""
-        batches_ahead = self._pending / max(1.0, self._batch_rows)
-        return max(1, math.ceil(batches_ahead * self._batch_s))
+    def retry_after(self) -> float:
+        """Seconds until a slot is likely free: the batch running now and the batches queued behind
+        it, at the recent batch time (at least 50 ms)."""
+        batches_ahead = max(1.0, self._pending / max(1.0, self._batch_rows))
+        return max(0.05, batches_ahead * self._batch_s)
 
     def submit(self, state: Any, questions: dict, tokens: int) -> Ticket:
         if self._closing or self._worker is None:
@@ -222,7 +237,7 @@ class Scheduler:
             if self.metrics is not None:
                 self.metrics.observe_batch(len(batch), sum(t.tokens for t in batch), took)
             self._running = []
-            for t, r in zip(batch, results):
+            for t, r in zip(batch, results, strict=True):
                 if not t.future.done():
                     if isinstance(r, BaseException):
                         t.future.set_exception(r)

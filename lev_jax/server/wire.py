@@ -136,7 +136,7 @@ Answer = Annotated[Union[NoulAnswer, ChoiceAnswer, ScoreAnswer], Field(discrimin
 
 
 class Usage(BaseModel):
-    input_tokens: int = Field(ge=0, description="Tokens the model read (state once, plus every question row).")
+    input_tokens: int = Field(ge=0, description="Tokens the model read: the state prefix once, plus every question row.")
     output_tokens: int = Field(ge=0, description="Always 0: answers are read from next-token distributions, nothing is generated.")
 
 
@@ -147,8 +147,8 @@ class SystemOneResponse(BaseModel):
     model: str = Field(description="The served model's name (also when the request said jev-latest).")
     answers: dict[str, Answer]
     usage: Usage
-    x_state_tokens: int = Field(0, ge=0, description="Extension: tokens of the state prefix, computed once and shared "
-                                                     "by every question row (included once in usage.input_tokens).")
+    x_cached_input_tokens: int = Field(0, ge=0, description="Extension: of usage.input_tokens, the state-prefix tokens "
+                                                            "reused from an earlier request with the same state.")
 
 
 class ModelInfo(BaseModel):

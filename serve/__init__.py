@@ -1,0 +1,1 @@
+"""`python -m serve`: the Jev-compatible HTTP server (the implementation is lev_jax.server)."""

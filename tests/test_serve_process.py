@@ -1,0 +1,161 @@
+"""`python -m serve` as clients meet it: a subprocess on a free loopback port, checked by the
+conformance suite `jevcompat` (with and without a key), by the official `typesafe-sdk` (zstd
+compression on), and for a graceful shutdown that finishes what is in flight.
+
+The servers share an on-disk JAX compilation cache, so the second one does not recompile what the
+first one did."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from lev_jax.server.testing import ServerProcess, compile_cache_env
+from lev_jax.testing import save_tiny_checkpoint
+
+KEY = "sk-jevcompat-test"
+CONDITIONAL = {"auth.bearer", "auth.ignored-when-off"}  # exactly one of the two applies to a run
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    return {"model": str(save_tiny_checkpoint(root / "tiny")), "env": compile_cache_env(root / "jax-cache"), "root": root}
+
+
+@pytest.fixture(scope="module")
+def open_server(setup):
+    with ServerProcess(["--model", setup["model"], "--max-pending", "64"], env=setup["env"],
+                       log_path=setup["root"] / "open.log") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def keyed_server(setup):
+    with ServerProcess(["--model", setup["model"]], env=setup["env"], api_keys=f"other-key,{KEY}",
+                       log_path=setup["root"] / "keyed.log") as s:
+        yield s
+
+
+def jevcompat(url: str, out, *extra: str) -> dict:
+    cmd = [sys.executable, "-m", "jevcompat.cli", "test", url, "--json", str(out), "--timeout", "120", *extra]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.exists(), p.stdout + p.stderr
+    report = json.loads(out.read_text())
+    report["_stdout"] = p.stdout
+    report["_rc"] = p.returncode
+    return report
+
+
+def assert_all_pass(report: dict, allowed_skips: set[str]) -> None:
+    results = {r["id"]: r for r in report["results"]}
+    bad = {rid: (r["status"], r.get("reason") or [f.get("message") for f in r.get("findings", [])])
+           for rid, r in results.items() if r["status"] != "pass" and rid not in allowed_skips}
+    assert report["summary"]["verdict"] == "conformant", report["_stdout"][-3000:]
+    assert report["_rc"] == 0
+    assert not bad, bad
+    for rid in allowed_skips:
+        assert results[rid]["status"] == "skip", (rid, results[rid]["status"])
+
+
+def test_jevcompat_without_a_key(open_server, setup):
+    report = jevcompat(open_server.url, setup["root"] / "open.json")
+    # without --key the auth checks do not apply (auth is off); every other MUST and SHOULD passes
+    assert_all_pass(report, {"auth.bearer", "auth.missing", "auth.invalid"})
+    s = report["summary"]
+    assert s["MUST"]["failed"] == 0 and s["SHOULD"]["failed"] == 0
+
+
+def test_jevcompat_with_a_key(keyed_server, setup):
+    report = jevcompat(keyed_server.url, setup["root"] / "keyed.json", "--key", KEY)
+    assert_all_pass(report, {"auth.ignored-when-off"})
+    results = {r["id"]: r["status"] for r in report["results"]}
+    assert results["auth.missing"] == results["auth.invalid"] == results["auth.bearer"] == "pass"
+    s = report["summary"]
+    assert s["MUST"]["failed"] == 0 and s["SHOULD"]["failed"] == 0 and s["SHOULD"]["skipped"] == 0
+
+
+def test_official_sdk_parses_every_answer_type_of_a_compressed_request(keyed_server):
+    import httpx2
+    from typesafe_sdk import AsyncTypeSafeClient, Choice, Noul, Score, TypeSafeClient
+
+    sent = []
+    http = httpx2.Client(timeout=60, event_hooks={"request": [lambda r: sent.append(dict(r.headers))]})
+    state = {"ticket": "I was charged twice for my March invoice and the refund never came. " * 30,
+             "customer": {"plan": "pro", "tickets": 3}}
+    questions = {
+        "refund": Noul(instructions="Is the customer asking for money back?"),
+        "chargeback": Noul(criteria={"true": "The customer threatens a chargeback"}),
+        "team": Choice(instructions="Which team?", criteria={"Billing": "Payments", "Technical": None,
+                                                            "Sales": {"owns": ["upgrades"]}}),
+        "anger": Score(instructions="How frustrated?", criteria=["Calm", "Frustrated", {"label": "Very angry"}]),
+    }
+    with TypeSafeClient(api_key=KEY, base_url=keyed_server.url, http_client=http) as client:
+        r = client.system_one(state=state, questions=questions)
+        models = client.models.list()
+    posts = [h for h in sent if "content-type" in h]
+    assert posts and posts[0].get("content-encoding") == "zstd"  # the SDK compressed the body
+    assert set(r.nouls) == {"refund", "chargeback"} and set(r.choices) == {"team"} and set(r.scores) == {"anger"}
+    assert 0 <= r.nouls["refund"].noul <= 1
+    assert r.choices["team"].choice in {"Billing", "Technical", "Sales"}
+    assert abs(sum(r.choices["team"].probabilities.values()) - 1) < 1e-6
+    assert r.scores["anger"].legend == {0: "Calm", 1: "Frustrated", 2: {"label": "Very angry"}}
+    assert isinstance(r.usage.input_tokens, int) and r.usage.input_tokens > 0
+    assert r.request_id.startswith("req_")
+    assert [m.name for m in models.models][0] == "jev-latest"
+
+    import asyncio
+
+    async def async_call():
+        async with AsyncTypeSafeClient(api_key=KEY, base_url=keyed_server.url) as c:
+            return await c.system_one(state=state, questions=questions)
+
+    r2 = asyncio.run(async_call())
+    assert r2.choices["team"].probabilities == r.choices["team"].probabilities
+
+
+def test_sdk_errors_are_typed(keyed_server):
+    from typesafe_sdk import Noul, RetryPolicy, TypeSafeClient
+    from typesafe_sdk._core.errors import TypeSafeAuthenticationError, TypeSafeBadRequestError
+
+    with TypeSafeClient(api_key="wrong", base_url=keyed_server.url, retry=RetryPolicy(max_retries=0)) as c:
+        with pytest.raises(TypeSafeAuthenticationError):
+            c.system_one(state="x", questions={"q": Noul(instructions="?")})
+    with TypeSafeClient(api_key=KEY, base_url=keyed_server.url, retry=RetryPolicy(max_retries=0)) as c:
+        with pytest.raises(TypeSafeBadRequestError, match="Unknown model: nope"):
+            c.system_one(state="x", questions={"q": Noul(instructions="?")}, model="nope")
+
+
+def test_graceful_shutdown_finishes_requests_in_flight(open_server):
+    """SIGTERM while requests are queued and running: every one of them is answered 200, then the
+    process exits cleanly. (Runs last: it stops the module's open server.)"""
+    heavy = {f"q{i}": {"type": "choice", "instructions": f"Which queue, {i}?",
+                       "criteria": {f"Queue {j}": f"tickets of kind {j}" for j in range(12)}} for i in range(6)}
+    n = 24
+
+    def ask(i):
+        payload = {"model": "jev-latest", "state": f"Ticket {i}. " + "The order never arrived. " * 40, "questions": heavy}
+        return httpx.post(open_server.url + "/v1/systemone", json=payload, timeout=120)
+
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(ask, i) for i in range(n)]
+        deadline = time.monotonic() + 60
+        seen = 0
+        while time.monotonic() < deadline:
+            seen = httpx.get(open_server.url + "/health", timeout=10).json()["in_flight"]
+            if seen >= n // 2:
+                break
+            time.sleep(0.01)
+        assert seen >= n // 2, f"only {seen} requests in flight"
+        open_server.proc.send_signal(signal.SIGTERM)
+        statuses = [f.result().status_code for f in futures]
+    assert statuses == [200] * n, statuses
+    assert open_server.proc.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it is done
+    log = open_server.log()
+    assert "Application shutdown complete" in log and "Traceback" not in log, log[-3000:]

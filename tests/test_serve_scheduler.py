@@ -1,0 +1,237 @@
+"""The micro-batching scheduler with an injected run_batch (the engine's predict_many contract):
+token-budget batching, bounded admission, cancellation, failure isolation, graceful drain; and the
+Prometheus exposition it feeds."""
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+
+import pytest
+
+from lev_jax.server.metrics import Metrics
+from lev_jax.server.scheduler import QueueFull, Scheduler, ShuttingDown
+
+
+class Recorder:
+    """run_batch that answers each request with its own state, records the batches, and can be held."""
+
+    def __init__(self, delay: float = 0.0):
+        self.batches: list[list] = []
+        self.delay = delay
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def __call__(self, requests):
+        self.gate.wait(10)
+        if self.delay:
+            time.sleep(self.delay)
+        self.batches.append([s for s, _ in requests])
+        out = []
+        for state, _questions in requests:
+            if state == "bad":
+                out.append(ValueError("bad request"))
+            else:
+                out.append({"echo": state})
+        return out
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _started(rb, **kw) -> Scheduler:
+    s = Scheduler(rb, **kw)
+    await s.start()
+    return s
+
+
+def test_concurrent_requests_share_a_batch_within_the_token_budget():
+    async def main():
+        rb = Recorder()
+        rb.gate.clear()
+        s = await _started(rb, max_pending=100, max_batch_tokens=100)
+        first = s.submit("first", {}, 10)
+        await asyncio.sleep(0.05)  # the worker is now blocked inside run_batch on "first"
+        tickets = [s.submit(f"r{i}", {}, 30) for i in range(7)]
+        rb.gate.set()
+        results = await asyncio.gather(first.future, *(t.future for t in tickets))
+        assert [r["echo"] for r in results] == ["first"] + [f"r{i}" for i in range(7)]
+        # 30-token requests, 100-token budget: batches of 3, 3, 1 after the first
+        assert rb.batches == [["first"], ["r0", "r1", "r2"], ["r3", "r4", "r5"], ["r6"]]
+        assert s.pending == 0
+        await s.stop()
+    run(main())
+
+
+def test_a_request_over_the_batch_budget_runs_alone():
+    async def main():
+        rb = Recorder()
+        rb.gate.clear()
+        s = await _started(rb, max_pending=10, max_batch_tokens=50)
+        ts = [s.submit("a", {}, 10), s.submit("big", {}, 500), s.submit("b", {}, 10)]
+        rb.gate.set()
+        await asyncio.gather(*(t.future for t in ts))
+        assert rb.batches == [["a"], ["big"], ["b"]]
+        await s.stop()
+    run(main())
+
+
+def test_batch_rows_cap():
+    async def main():
+        rb = Recorder()
+        rb.gate.clear()
+        s = await _started(rb, max_pending=10, max_batch_tokens=10**6, max_batch_rows=2)
+        ts = [s.submit(str(i), {}, 1) for i in range(5)]
+        rb.gate.set()
+        await asyncio.gather(*(t.future for t in ts))
+        assert [len(b) for b in rb.batches] == [1, 2, 2] or [len(b) for b in rb.batches] == [2, 2, 1]
+        await s.stop()
+    run(main())
+
+
+def test_admission_is_bounded_and_says_when_to_retry():
+    async def main():
+        rb = Recorder()
+        rb.gate.clear()
+        s = await _started(rb, max_pending=3)
+        ts = [s.submit(str(i), {}, 1) for i in range(3)]
+        with pytest.raises(QueueFull) as ei:
+            s.submit("x", {}, 1)
+        assert ei.value.retry_after >= 1 and ei.value.retry_after_s >= 0.05
+        rb.gate.set()
+        await asyncio.gather(*(t.future for t in ts))
+        s.submit("again", {}, 1)  # slots are free again
+        await s.drain(5)
+    run(main())
+
+
+def test_cancelling_a_queued_request_frees_its_slot_and_skips_it():
+    async def main():
+        rb = Recorder()
+        rb.gate.clear()
+        s = await _started(rb, max_pending=2, max_batch_rows=1)
+        running = s.submit("running", {}, 1)
+        await asyncio.sleep(0.05)
+        queued = s.submit("queued", {}, 1)
+        assert s.pending == 2
+        s.cancel(queued)
+        assert s.pending == 1 and queued.future.cancelled()
+        later = s.submit("later", {}, 1)  # the freed slot is usable at once
+        rb.gate.set()
+        await asyncio.gather(running.future, later.future)
+        assert rb.batches == [["running"], ["later"]]
+        await s.stop()
+    run(main())
+
+
+def test_cancelling_a_running_request_holds_its_slot_until_the_batch_ends():
+    async def main():
+        rb = Recorder()
+        rb.gate.clear()
+        s = await _started(rb, max_pending=1)
+        t = s.submit("r", {}, 1)
+        await asyncio.sleep(0.05)
+        s.cancel(t)
+        assert s.pending == 1  # the device is still busy with it
+        with pytest.raises(QueueFull):
+            s.submit("x", {}, 1)
+        rb.gate.set()
+        for _ in range(100):
+            if s.pending == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert s.pending == 0
+        await s.stop()
+    run(main())
+
+
+def test_per_request_errors_stay_with_their_request():
+    async def main():
+        rb = Recorder()
+        rb.gate.clear()
+        s = await _started(rb)
+        ts = [s.submit("ok1", {}, 1), s.submit("bad", {}, 1), s.submit("ok2", {}, 1)]
+        rb.gate.set()
+        res = await asyncio.gather(*(t.future for t in ts), return_exceptions=True)
+        assert res[0] == {"echo": "ok1"} and isinstance(res[1], ValueError) and res[2] == {"echo": "ok2"}
+        await s.stop()
+    run(main())
+
+
+def test_a_batch_that_raises_is_retried_one_request_at_a_time():
+    calls = []
+
+    def run_batch(requests):
+        calls.append(len(requests))
+        if any(state == "poison" for state, _ in requests):
+            raise RuntimeError("engine bug")
+        return [{"echo": state} for state, _ in requests]
+
+    async def main():
+        s = await _started(run_batch, batch_wait_s=0.05)
+        ts = [s.submit(x, {}, 1) for x in ("a", "poison", "b")]
+        res = await asyncio.gather(*(t.future for t in ts), return_exceptions=True)
+        assert res[0] == {"echo": "a"} and isinstance(res[1], RuntimeError) and res[2] == {"echo": "b"}
+        assert calls == [3, 1, 1, 1]
+        await s.stop()
+    run(main())
+
+
+def test_drain_finishes_in_flight_work_and_refuses_new():
+    async def main():
+        rb = Recorder(delay=0.05)
+        s = await _started(rb, max_batch_rows=1)
+        ts = [s.submit(str(i), {}, 1) for i in range(4)]
+        drain = asyncio.create_task(s.drain(10))
+        await asyncio.sleep(0)
+        with pytest.raises(ShuttingDown):
+            s.submit("late", {}, 1)
+        assert await drain is True
+        assert [t.future.result() for t in ts] == [{"echo": str(i)} for i in range(4)]
+    run(main())
+
+
+def test_drain_gives_up_after_its_timeout():
+    async def main():
+        rb = Recorder()
+        rb.gate.clear()
+        s = await _started(rb)
+        t = s.submit("stuck", {}, 1)
+        assert await s.drain(0.1) is False
+        rb.gate.set()
+        assert t.future.done()
+    run(main())
+
+
+def test_metrics_exposition():
+    async def main():
+        m = Metrics()
+        rb = Recorder()
+        s = await _started(rb, metrics=m)
+        ts = [s.submit(str(i), {}, 100) for i in range(3)]
+        await asyncio.gather(*(t.future for t in ts))
+        m.observe_request("POST", "/v1/systemone", 200, 0.02)
+        m.observe_request("POST", "/v1/systemone", 429, 0.001)
+        m.observe_answer(100, 1)
+        text = m.render({"lev_compiled_programs": ("Compiled.", 7)})
+        await s.stop()
+        return text
+
+    text = run(main())
+    assert 'lev_http_requests_total{method="POST",route="/v1/systemone",status="429"} 1' in text
+    assert 'lev_http_request_duration_seconds_bucket{route="/v1/systemone",le="+Inf"} 2' in text
+    assert "lev_batch_rows_count" in text and "lev_queue_depth 0" in text and "lev_compiled_programs 7" in text
+    # every sample line is NAME{labels} VALUE and every metric has HELP and TYPE
+    names = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE"):
+            names.add(line.split()[2])
+        elif not line.startswith("#"):
+            assert re.fullmatch(r'[a-z_]+(\{[^}]*\})? [-+0-9.eInf]+', line), line
+            base = re.sub(r"_(bucket|sum|count)$", "", line.split("{")[0].split()[0])
+            assert base in names or line.split("{")[0].split()[0] in names, line
+    # histogram buckets are cumulative
+    counts = [int(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l.startswith("lev_batch_rows_bucket")]
+    assert counts == sorted(counts)

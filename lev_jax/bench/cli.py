@@ -1,0 +1,241 @@
+"""``python -m scripts.levbench`` (or ``levbench``): export | eval | fit | sweep.
+
+    levbench export --out evalsets                       # eval-data exports (test + calibration)
+    levbench export --out evalsets --pipeline DATA --split calibration
+    levbench eval evalsets/banking77-test.json:limit=150 --out results/        # embedded model, in-process
+    levbench eval evalsets/ --url http://127.0.0.1:8000 --concurrency 8 --out results/
+    levbench fit evalsets/banking77-train.json:limit=80 ... --rows-out rows.jsonl   # -> shipped profile
+    levbench sweep --out results/sweep [--url URL]
+
+A set argument is ``PATH[:limit=N][:max_options=K][:split=NAME]``; a directory means every
+eval-set file in it. Samples are fixed-seed shuffles (``--seed``), never head slices.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from lev_jax.bench import export as export_lib
+from lev_jax.bench import harness, sweep as sweep_lib
+
+
+def _expand_sets(args: Sequence[str], limit: int | None) -> list[harness.SetSpec]:
+    specs = []
+    for a in args:
+        spec = harness.SetSpec.parse(a, limit)
+        if spec.path.is_dir():
+            for f in sorted(spec.path.glob("*.json")):
+                try:
+                    doc = json.loads(f.read_text(encoding="utf-8"))
+                except (OSError, json.JSONDecodeError):
+                    continue
+                if isinstance(doc, dict) and "questions" in doc and "items" in doc:
+                    specs.append(harness.SetSpec(f, spec.limit, spec.max_options, spec.split))
+        elif spec.path.is_file():
+            specs.append(spec)
+        else:
+            raise SystemExit(f"no eval set at {spec.path}")
+    if not specs:
+        raise SystemExit("no eval-set files given")
+    return specs
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="in-process: a checkpoint dir, .gguf or hub id (default: the embedded model)")
+    p.add_argument("--prompt-style", default="chat")
+    p.add_argument("--noul-readout", choices=("binary", "rating"), default=None)
+
+
+def _load_engine(args, calibration):
+    import lev_jax
+
+    return lev_jax.load(model=args.model, prompt_style=args.prompt_style, calibration=calibration,
+                        noul_readout=args.noul_readout)
+
+
+def _calibration_arg(value: str):
+    return None if value in ("none", "off") else value
+
+
+def cmd_export(args) -> int:
+    if args.pipeline:
+        counts = export_lib.export_pipeline(args.pipeline, args.out, args.split)
+    else:
+        counts = export_lib.export_eval_data(args.out, args.eval_data, args.which, args.task or None)
+    for task, n in counts.items():
+        print(f"{task}: {n} items")
+    print(f"wrote {len(counts)} eval set(s) to {args.out}")
+    return 0
+
+
+def _client(args, *, baseline: bool):
+    from lev_jax.bench.clients import HttpClient, InProcessClient
+
+    if args.url:
+        return HttpClient(args.url, model=args.served_model, api_key=args.api_key, timeout=args.timeout)
+    engine = _load_engine(args, _calibration_arg(args.calibration))
+    base = None
+    if baseline and not engine.calibration.is_identity:
+        from lev_jax.calibrate import Calibration
+
+        base = Calibration.identity(engine.model_name)
+    return InProcessClient(engine, baseline=base)
+
+
+def cmd_eval(args) -> int:
+    specs = _expand_sets(args.sets, args.limit)
+    client = _client(args, baseline=args.baseline)
+    results = harness.evaluate(client, specs, args.out, seed=args.seed, concurrency=args.concurrency,
+                               progress=not args.no_progress, n_bins=args.bins)
+    print((Path(args.out) / "summary.md").read_text(encoding="utf-8"))
+    return 1 if any(r["n_errors"] for r in results) and args.strict else 0
+
+
+def cmd_fit(args) -> int:
+    from lev_jax import calibrate
+
+    argv = ["python -m scripts.levbench", *map(shlex.quote, args.argv)]
+    rows, splits, report = [], [], {}
+    engine = None
+    if args.sets:
+        engine = _load_engine(args, None)
+        specs = _expand_sets(args.sets, args.limit)
+        rows, splits, report = harness.collect_rows(engine, specs, seed=args.seed, progress=not args.no_progress,
+                                                    eval_data=args.eval_data)
+        if args.rows_out:
+            harness.save_rows(rows, args.rows_out)
+            print(f"wrote {len(rows)} calibration rows to {args.rows_out}")
+    for path in args.rows or []:
+        got = harness.load_rows(path)
+        rows += got
+        splits += sorted({r.split for r in got if r.split})
+    if not rows:
+        raise SystemExit("no calibration rows (give calibration sets, or --rows FILE)")
+    model_id = args.model_id or (engine.model_name if engine is not None else None)
+    if model_id is None:
+        import lev_jax
+
+        model_id = lev_jax.load_backbone(args.model).name
+    cal = calibrate.fit(rows, splits=list(dict.fromkeys(splits)), model_id=model_id, min_rows=args.min_rows)
+    doc = cal.to_dict()
+    doc["fitted_on"]["sets"] = report or None
+    doc["fitted_on"]["seed"] = args.seed
+    doc["fitted_on"]["command"] = " ".join(argv)
+    cal = calibrate.Calibration(doc)
+    save = args.save
+    if save is None and args.model is None:
+        from lev_jax.engine import PROFILES
+
+        save = str(PROFILES / model_id)
+    elif save is None and args.model is not None and Path(args.model).is_dir():
+        save = args.model
+    if save and save != "-":
+        path = cal.save(save)
+        report_path = path.parent / calibrate.REPORT_FILE
+        report_path.write_text(harness.fit_report_markdown(cal, report, argv), encoding="utf-8")
+        print(f"wrote {path} and {report_path}")
+    print(cal.report_markdown())
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    from lev_jax.bench.evalset import EvalSet
+
+    client = _client(args, baseline=False)
+    if args.set:
+        state, questions = sweep_lib.from_evalset(EvalSet.load(args.set))
+    else:
+        state, questions = sweep_lib.DEFAULT_STATE, sweep_lib.default_questions()
+    ns = [int(x) for x in args.ns.split(",")]
+    res = sweep_lib.run_sweep(client, state, questions, ns, args.repeats, progress=not args.no_progress)
+    info = client.describe()
+    files = sweep_lib.write_sweep(res, args.out, info)
+    print(sweep_lib.sweep_markdown(res, info))
+    print(f"wrote {', '.join(files.values())}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="levbench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    e = sub.add_parser("export", help="write eval-set files")
+    e.add_argument("--out", required=True)
+    e.add_argument("--eval-data", help="eval-data folder (default $LEV_EVAL_DATA or <repo>/../shared/eval-data)")
+    e.add_argument("--which", choices=("test", "calibration", "all"), default="all")
+    e.add_argument("--task", action="append", help=f"only these ({', '.join(export_lib.EXPORTS)})")
+    e.add_argument("--pipeline", metavar="DATA", help="a `python -m data build --out DATA` folder instead")
+    e.add_argument("--split", default="calibration", help="with --pipeline: the split to export")
+    e.set_defaults(fn=cmd_export)
+
+    def common(p):
+        p.add_argument("--seed", type=int, default=0, help="sampling seed (fixed-seed shuffle)")
+        p.add_argument("--limit", type=int, default=None, help="items per set (default all; PATH:limit=N overrides)")
+        p.add_argument("--no-progress", action="store_true")
+
+    v = sub.add_parser("eval", help="run eval sets against a URL or in-process; JSON + Markdown + PNG per task")
+    v.add_argument("sets", nargs="+")
+    v.add_argument("--out", required=True)
+    v.add_argument("--url", help="a Jev-compatible server (base URL or .../v1/systemone); default: in-process")
+    v.add_argument("--served-model", default="jev-latest", help="the request's model field (with --url)")
+    v.add_argument("--api-key", help="bearer token (default $LEV_API_KEY)")
+    v.add_argument("--timeout", type=float, default=300.0)
+    v.add_argument("--concurrency", type=int, default=4, help="requests in flight (URL; in-process is serial)")
+    v.add_argument("--calibration", default="auto", help="in-process: auto | none | PATH")
+    v.add_argument("--no-baseline", dest="baseline", action="store_false",
+                   help="in-process: do not also score the uncalibrated readout of the same logits")
+    v.add_argument("--bins", type=int, default=10)
+    v.add_argument("--strict", action="store_true", help="exit 1 if any item failed")
+    _engine_args(v)
+    common(v)
+    v.set_defaults(fn=cmd_eval)
+
+    f = sub.add_parser("fit", help="fit temperatures on calibration sets (in-process) and save the profile")
+    f.add_argument("sets", nargs="*")
+    f.add_argument("--rows", action="append", help="calibration rows saved by --rows-out (no model run)")
+    f.add_argument("--rows-out", help="save the rows read (JSON lines) for refitting without the model")
+    f.add_argument("--save", help="profile directory (default: lev_jax/profiles/<model> for the embedded model, "
+                                  "the checkpoint dir for a local one; '-' = do not save)")
+    f.add_argument("--model-id", help="the model id recorded in the profile (default: the engine's)")
+    f.add_argument("--min-rows", type=int, default=50)
+    f.add_argument("--eval-data", help="eval-data folder for the contamination check")
+    _engine_args(f)
+    common(f)
+    f.set_defaults(fn=cmd_fit)
+
+    s = sub.add_parser("sweep", help="N questions in one call vs N calls, N in 1..32: latency and tokens")
+    s.add_argument("--out", required=True)
+    s.add_argument("--url")
+    s.add_argument("--served-model", default="jev-latest")
+    s.add_argument("--api-key")
+    s.add_argument("--timeout", type=float, default=300.0)
+    s.add_argument("--calibration", default="auto")
+    s.add_argument("--set", help="take the state (first item) and questions from this eval set")
+    s.add_argument("--ns", default=",".join(map(str, sweep_lib.NS)))
+    s.add_argument("--repeats", type=int, default=3)
+    s.add_argument("--no-progress", action="store_true")
+    _engine_args(s)
+    s.set_defaults(fn=cmd_sweep)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    t0 = time.perf_counter()
+    from lev_jax.bench.evalset import EvalSetError
+
+    try:
+        return args.fn(args)
+    except (harness.FitRefused, EvalSetError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        print(f"[levbench {args.cmd}: {time.perf_counter() - t0:.1f} s wall, {time.process_time():.1f} s cpu]",
+              file=sys.stderr)

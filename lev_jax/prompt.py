@@ -23,7 +23,9 @@ def render_state(state) -> str:
     return json.dumps(state, sort_keys=True, ensure_ascii=False, indent=1)
 
 
-def _render_description(desc) -> str:
+def render_value(desc) -> str:
+    """Text for a description, instruction or level: strings as they are, structured values as
+    compact sorted-key JSON, null as nothing."""
     if desc is None:
         return ""
     if isinstance(desc, str):
@@ -35,7 +37,7 @@ def choice_text(instructions: str, options: list[tuple[str, object]], codes: lis
     """`options` in presentation order as (key, description); `codes` the letters shown for them."""
     lines = []
     for code, (key, desc) in zip(codes, options):
-        d = _render_description(desc)
+        d = render_value(desc)
         lines.append(f"{code}) {key}: {d}" if d else f"{code}) {key}")
     return f"Question: {instructions}\nOptions:\n" + "\n".join(lines) + "\nAnswer with the letter of the best option."
 
@@ -50,9 +52,9 @@ def _noul_criteria(criteria) -> list[str]:
     criteria = criteria or {}
     out = []
     if criteria.get("yes"):
-        out.append(f"Yes means: {_render_description(criteria['yes'])}")
+        out.append(f"Yes means: {render_value(criteria['yes'])}")
     if criteria.get("no"):
-        out.append(f"No means: {_render_description(criteria['no'])}")
+        out.append(f"No means: {render_value(criteria['no'])}")
     return out
 
 

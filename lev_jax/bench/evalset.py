@@ -25,6 +25,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from lev_jax import metrics
+from lev_jax.prompt import render_value
 
 QUESTION_TYPES = ("choice", "score", "noul")
 
@@ -126,14 +127,6 @@ def _noul_sides(criteria) -> tuple[Any, Any]:
     return yes, no
 
 
-def _text(value) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        return value
-    return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(", ", ": "))
-
-
 def to_wire(q: Mapping[str, Any]) -> dict[str, Any]:
     """A question in the wire shape of ``POST /v1/systemone`` (noul criteria ``true``/``false``)."""
     out = {"type": q["type"]}
@@ -152,11 +145,11 @@ def to_wire(q: Mapping[str, Any]) -> dict[str, Any]:
 def to_engine(q: Mapping[str, Any]) -> dict[str, Any]:
     """A question in the engine's shape (text instructions and levels, noul criteria ``yes``/``no``)."""
     qtype = q["type"]
-    out: dict[str, Any] = {"type": qtype, "instructions": _text(q.get("instructions"))}
+    out: dict[str, Any] = {"type": qtype, "instructions": render_value(q.get("instructions"))}
     if qtype == "choice":
         out["criteria"] = dict(q["criteria"])
     elif qtype == "score":
-        out["criteria"] = [_text(level) for level in q["criteria"]]
+        out["criteria"] = [render_value(level) for level in q["criteria"]]
     else:
         yes, no = _noul_sides(q.get("criteria"))
         crit = {k: v for k, v in (("yes", yes), ("no", no)) if v is not None}

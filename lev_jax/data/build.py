@@ -21,7 +21,6 @@ Order matters and is fixed:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from lev_jax.data.guard import ContaminationError, Guard, Violation
+from lev_jax.data.guard import _sha256 as guard_sha256
 from lev_jax.data.lengths import Encode, dumps, encoder, length_stats, length_text
 from lev_jax.data.questions import QuestionConfig, make_question, uniform_dist
 from lev_jax.data.registry import REGISTRY, SourceSpec, get_spec
@@ -470,14 +470,6 @@ def decode_row(data: bytes) -> dict[str, Any]:
     return json.loads(data.decode("utf-8"))
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _write_split(path: Path, rows: list[dict[str, Any]]) -> None:
     from array_record.python.array_record_module import ArrayRecordWriter
 
@@ -511,7 +503,7 @@ def write(result: BuildResult, out_dir: str | os.PathLike) -> dict[str, Any]:
             by_readout[r["readout"]] = by_readout.get(r["readout"], 0) + 1
             by_band[r["band"]] = by_band.get(r["band"], 0) + 1
         splits[s] = {"file": f.name, "index": f"{s}.index.json", "rows": len(rows),
-                     "sha256": _sha256(f), "by_source": dict(sorted(by_source.items())),
+                     "sha256": guard_sha256(f), "by_source": dict(sorted(by_source.items())),
                      "by_readout": dict(sorted(by_readout.items())), "by_band": dict(sorted(by_band.items()))}
     stats = length_stats(result.rows)
     (out / "length_stats.json").write_text(dumps(stats), encoding="utf-8")

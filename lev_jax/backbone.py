@@ -16,11 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lev_jax import models
+from lev_jax import buckets, models
 from lev_jax.errors import CheckpointError
 from lev_jax.models import cache as cache_lib
-
-PREFILL_CHUNK = 512
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -68,7 +66,7 @@ class Backbone:
         return _logits(self.params, tokens, valid, self.config)
 
     # -- the forkable state cache -------------------------------------------------------------
-    def prefill(self, token_ids, valid=None, *, chunk: int = PREFILL_CHUNK, slots: int | None = None):
+    def prefill(self, token_ids, valid=None, *, chunk: int = buckets.PREFILL_CHUNK, slots: int | None = None):
         """The cache of a prefix ([P] or right-padded [B, P]), computed in chunks of `chunk` tokens
         so memory stays bounded by chunk x slots. `slots` reserves room for later extensions."""
         tokens = np.asarray(token_ids, dtype=np.int32)

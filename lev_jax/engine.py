@@ -172,7 +172,6 @@ class Engine:
             raise ValueError("the tokenizer offers fewer than two single-token label codes")
         self.yes_no_lead, self.yes_no = self.codes.fixed(labels.YES_NO)
         self.rating_lead, self.rating = self.codes.fixed(labels.RATING_CODES)
-        self._prefill_chunk = buckets.PREFILL_CHUNK
         # computed state prefixes kept across requests (LRU, bounded by bytes): a client asking a
         # second batch of questions about the same state pays only for the questions
         self.prefix_cache_bytes = prefix_cache_bytes
@@ -263,7 +262,7 @@ class Engine:
         tokens = np.zeros((1, pb), np.int32)
         valid = np.zeros((1, pb), bool)
         tokens[0, :p], valid[0, :p] = prefix_ids, True
-        cache = self.backbone.prefill(tokens, valid, chunk=self._prefill_chunk)
+        cache = self.backbone.prefill(tokens, valid, chunk=buckets.PREFILL_CHUNK)
         size = sum(x.nbytes for x in jax.tree.leaves(cache))
         if size <= self.prefix_cache_bytes:
             with self._lock:

@@ -9,6 +9,7 @@ import pytest
 import hf_reference as R
 import lev_jax
 from lev_jax import models
+from lev_jax.models import cache as cache_lib
 from lev_jax.models.qwen3_5.modeling import chunk_gated_delta_rule
 
 TOL = 1e-4
@@ -112,6 +113,9 @@ def test_fork_to_rows_of_different_lengths_equals_independent_runs(tiny):
         alone = np.asarray(tiny.logits(np.concatenate([prefix, s])[None]))[0]
         np.testing.assert_allclose(got[i, 0], alone[len(prefix)], atol=1e-5, rtol=0)
         np.testing.assert_allclose(got[i, 1], alone[len(prefix) + len(s) - 1], atol=1e-5, rtol=0)
+    # an explicitly materialised fork reads the same as the shared 1-row cache
+    hidden_f, _ = tiny.extend(cache_lib.fork(cache, len(suffixes)), tokens, valid, readout)
+    np.testing.assert_allclose(np.asarray(tiny.head(hidden_f)), got, atol=1e-6, rtol=0)
     # the forked cache carries each row's own state: extend every row by the same next token
     nxt = np.full((len(suffixes), 1), 3, np.int32)
     hidden2, _ = tiny.extend(forked, nxt)

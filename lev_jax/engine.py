@@ -135,13 +135,20 @@ def score_confidence(p: np.ndarray) -> float:
     return float(max(0.0, 1.0 - float((p * np.abs(idx - mode)).sum()) / uniform_spread))
 
 
-class _Plan:
-    """A request turned into token rows: the shared prefix and each question's readouts."""
+class Plan:
+    """A request turned into token rows: the shared prefix and each question's readouts. Planning
+    tokenizes everything and checks the limits; a server plans once (to count tokens and reject
+    over-budget requests before queueing) and hands the plan to `predict_many`."""
 
     def __init__(self, state_text, prefix_ids, questions):
         self.state_text = state_text
         self.prefix_ids = prefix_ids
         self.questions = questions  # [(qid, q, [readouts of round 1], grouping or None)]
+
+    def token_counts(self) -> dict:
+        lens = [len(r.tokens) for _, _, rs, _ in self.questions for ro in rs for r in ro.rows]
+        return {"input_tokens": len(self.prefix_ids) + sum(lens), "state_tokens": len(self.prefix_ids),
+                "max_question_tokens": max(lens)}
 
 
 class Engine:
@@ -224,18 +231,18 @@ class Engine:
                           [t for _, t in self.yes_no], self.yes_no_lead) for o in orders]
         return [_Readout("noul", labels.BINARY, 2, rows, [[0, 1]] * len(rows))], None
 
-    def _plan(self, state, questions) -> _Plan:
+    def _plan(self, state, questions) -> Plan:
         if not isinstance(state, (str, dict, list)):
             raise RequestError("state must be a string, an object or an array")
         state_text = prompt.render_state(state)
-        plan = _Plan(state_text, self._prefix_ids(state_text), [])
+        plan = Plan(state_text, self._prefix_ids(state_text), [])
         for qid, q in _validate(questions):
             readouts, groups = self._readouts(state_text, q)
             plan.questions.append((qid, q, readouts, groups))
         self._check_limits(plan)
         return plan
 
-    def _check_limits(self, plan: _Plan):
+    def _check_limits(self, plan: Plan):
         rows = [r for _, _, rs, _ in plan.questions for ro in rs for r in ro.rows]
         longest = max(len(r.tokens) for r in rows)
         p = len(plan.prefix_ids)
@@ -364,7 +371,7 @@ class Engine:
             out.append(per)
         return out
 
-    def _run(self, plans: list[_Plan], reader, usages) -> list[dict]:
+    def _run(self, plans: list[Plan], reader, usages) -> list[dict]:
         """Round 1 (every readout of every plan), round 2 (group winners of large choices), compose."""
         round1 = [[ro for _, _, rs, _ in plan.questions for ro in rs] for plan in plans]
         logits = reader([(plan.prefix_ids, [r for ro in ros for r in ro.rows]) for plan, ros in zip(plans, round1)],
@@ -388,7 +395,7 @@ class Engine:
                               for qid, ro in finals[k].items()}
         return [self._answers(plan, probs, fp) for plan, fp in zip(plans, final_p)]
 
-    def _answers(self, plan: _Plan, probs: dict, final_p: dict) -> dict:
+    def _answers(self, plan: Plan, probs: dict, final_p: dict) -> dict:
         answers = {}
         for qid, q, rs, groups in plan.questions:
             if q["type"] == "choice":
@@ -433,13 +440,14 @@ class Engine:
 
     def predict_many(self, requests, *, with_usage: bool = False) -> list:
         """Many requests in one go (a server's micro-batch): every request's rows share the same
-        batched device calls. Returns, per request, its answers ((answers, usage) with
-        `with_usage`) or the RequestError that request raised; one bad request spoils no other."""
+        batched device calls. A request is a (state, questions) pair, or (plan, None) with a plan from
+        `engine.plan()` (not tokenized again). Returns, per request, its answers ((answers, usage)
+        with `with_usage`) or the RequestError that request raised; one bad request spoils no other."""
         out: list = [None] * len(requests)
         plans, where = [], []
         for i, (state, questions) in enumerate(requests):
             try:
-                plans.append(self._plan(state, questions))
+                plans.append(state if isinstance(state, Plan) else self._plan(state, questions))
                 where.append(i)
             except RequestError as e:
                 out[i] = e
@@ -449,11 +457,13 @@ class Engine:
                 out[i] = (answers, usage.as_dict()) if with_usage else answers
         return out
 
+    def plan(self, state, questions) -> Plan:
+        """Validate, lay out and tokenize a request, checking the token limits (RequestError /
+        TokenLimitError) before any device work."""
+        return self._plan(state, questions)
+
     def count_tokens(self, state, questions) -> dict:
-        plan = self._plan(state, questions)
-        lens = [len(r.tokens) for _, _, rs, _ in plan.questions for ro in rs for r in ro.rows]
-        return {"input_tokens": len(plan.prefix_ids) + sum(lens), "state_tokens": len(plan.prefix_ids),
-                "max_question_tokens": max(lens)}
+        return self._plan(state, questions).token_counts()
 
     @property
     def compiled_programs(self) -> int:

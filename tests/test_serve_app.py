@@ -336,20 +336,20 @@ def test_openapi_document_describes_the_contract(server):
 # ---------------------------------------------------------------- server faults
 
 class FaultyEngine:
-    """The real engine, with a fault injected: a state of "explode" breaks token counting, and one of
+    """The real engine, with a fault injected: a state of "explode" breaks planning, and one of
     "explode later" breaks the device call. Server bugs are 500s with a request id and a JSON body."""
 
     def __init__(self, engine):
         self._engine = engine
         self.model_name = engine.model_name
 
-    def count_tokens(self, state, questions):
+    def plan(self, state, questions):
         if state == "explode":
             raise RuntimeError("injected fault")
-        return self._engine.count_tokens(state, questions)
+        return self._engine.plan(state, questions)
 
     def predict_many(self, requests):
-        if any(state == "explode later" for state, _ in requests):
+        if any(plan.state_text == "explode later" for plan, _ in requests):
             raise RuntimeError("injected device fault")
         return self._engine.predict_many(requests)
 

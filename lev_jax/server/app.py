@@ -2,7 +2,7 @@
 
     app = create_app(engine, ServerConfig(max_pending=64, api_keys={"k1"}))
 
-The engine is anything with `model_name`, `predict_many`, `count_tokens` and `info` (see
+The engine is anything with `model_name`, `plan`, `predict_many` and `info` (see
 lev_jax.engine); `supports_images` is read if present (default False). docs/API.md is the contract.
 """
 from __future__ import annotations
@@ -207,15 +207,16 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
                 + ". Remove the images or use a vision model (not served here yet).")
 
         questions = {qid: wire.to_engine_question(q) for qid, q in req.questions.items()}
-        try:
-            counts = await run_in_threadpool(engine.count_tokens, req.state, questions)
+        try:  # plan once: count tokens and refuse over-budget requests before they queue
+            plan = await run_in_threadpool(engine.plan, req.state, questions)
+            counts = plan.token_counts()
         except TokenLimitError as e:
             raise E.too_large(str(e)) from None
         except RequestError as e:
             raise E.ApiError(400, getattr(e, "error_type", E.API_USAGE), str(e)) from None
 
         try:
-            ticket = scheduler.submit(req.state, questions, counts["input_tokens"])
+            ticket = scheduler.submit(plan, None, counts["input_tokens"])
         except QueueFull as e:
             raise E.ApiError(429, E.RATE_LIMIT, f"Server busy: {cfg.max_pending} requests in flight; retry after "
                              f"{e.retry_after_s:.2f}s", {"Retry-After": str(e.retry_after),

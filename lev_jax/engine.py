@@ -164,6 +164,7 @@ class Engine:
             raise ValueError(f"layout must be one of {prompt.LAYOUTS}")
         self.backbone = backbone
         self.tokenizer = backbone.tokenizer
+        self.platform = jax.default_backend()  # sizes device calls (buckets.row_tokens_per_call)
         self.format = prompt.PromptFormat(self.tokenizer, prompt_style)
         self.prompt_style = prompt_style
         self.layout = layout
@@ -278,22 +279,29 @@ class Engine:
                     self._prefixes.popitem(last=False)
         return cache, False
 
-    @staticmethod
-    def _calls(rows: list[_Row]) -> list[tuple[list[int], int, int, int]]:
+    def _calls(self, rows: list[_Row]) -> list[tuple[list[int], int, int, int]]:
         """Group rows (shortest first) into device calls: (row indices, rows, suffix, codes buckets).
-        One call unless padding would exceed MAX_PADDED_ROW_TOKENS."""
+        As few calls as keep rows x suffix bucket within the device's per-call budget
+        (`buckets.row_tokens_per_call`), then rows spread evenly over them (20 rows run as 2 x 10,
+        not 16 + 4: a small call costs more per token)."""
+        cap = buckets.row_tokens_per_call(self.platform)
         order = sorted(range(len(rows)), key=lambda i: len(rows[i].tokens))
+        suffix = lambda g: buckets.fit(max(len(rows[i].tokens) for i in g), buckets.SUFFIX, "question length")
+        fits = lambda g: len(g) == 1 or (len(g) <= buckets.ROWS[-1]
+                                         and buckets.fit(len(g), buckets.ROWS, "rows") * suffix(g) <= cap)
         groups, current = [], []
         for i in order:
-            tb = buckets.fit(len(rows[i].tokens), buckets.SUFFIX, "question length")
-            full = len(current) == buckets.ROWS[-1]
-            if full or current and buckets.fit(len(current) + 1, buckets.ROWS, "rows") * tb > buckets.MAX_PADDED_ROW_TOKENS:
+            if current and not fits(current + [i]):
                 groups.append(current)
                 current = []
             current.append(i)
         groups.append(current)
-        return [(g, buckets.fit(len(g), buckets.ROWS, "rows"),
-                 buckets.fit(max(len(rows[i].tokens) for i in g), buckets.SUFFIX, "question length"),
+        if len(groups) > 1:
+            size = math.ceil(len(order) / len(groups))
+            even = [order[j : j + size] for j in range(0, len(order), size)]
+            if len(even) == len(groups) and all(map(fits, even)):
+                groups = even
+        return [(g, buckets.fit(len(g), buckets.ROWS, "rows"), suffix(g),
                  buckets.fit(max(len(rows[i].label_ids) for i in g), buckets.CODES, "label codes")) for g in groups]
 
     def programs(self, state, questions) -> set[tuple]:

@@ -28,9 +28,10 @@ def _smollm2_tokenizer():
     return read_gguf(embedded_default_path()).tokenizer
 
 
-def tiny_backbone(family: str = "llama", seed: int = 0, init_std: float = 0.5) -> Backbone:
+def tiny_backbone(family: str = "llama", seed: int = 0, init_std: float = 0.5, dtype: str = "float32") -> Backbone:
     """A tiny random backbone over a real vocabulary: `llama` with the SmolLM2 tokenizer, `qwen3_5`
-    with the Qwen3.5 tokenizer. `init_std` is large enough that label distributions are not flat."""
+    with the Qwen3.5 tokenizer. `init_std` is large enough that label distributions are not flat.
+    The same seed gives the same weights in every dtype (bf16 ones are the fp32 ones rounded)."""
     if family == "llama":
         tok = _smollm2_tokenizer()
         hf = {**TINY_LLAMA, "vocab_size": tok.vocab_size}
@@ -42,7 +43,7 @@ def tiny_backbone(family: str = "llama", seed: int = 0, init_std: float = 0.5) -
     else:
         raise ValueError(f"unknown tiny family {family!r}")
     cfg = models.config_from_hf(hf)
-    return Backbone(cfg, models.random_params(cfg, seed=seed, init_std=init_std), tok, name=f"tiny-{family}",
+    return Backbone(cfg, models.random_params(cfg, dtype, seed=seed, init_std=init_std), tok, name=f"tiny-{family}",
                     hf_config=hf)
 
 

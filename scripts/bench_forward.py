@@ -1,14 +1,15 @@
 """Prefill throughput of a backbone next to the matmul ceiling measured on this machine, same run.
 
-    python -m scripts.bench_forward [--model PATH] [--tokens 512] [--repeats 10]
+    python -m scripts.bench_forward [--model PATH] [--dtype float32|bfloat16] [--tokens 512] [--repeats 10]
 
 Prints tokens/s and achieved GFLOP/s (matmul FLOPs of the forward, counted from the config) for a
-prefill of --tokens tokens, and the best GFLOP/s of plain jitted fp32 matmuls (the model's own
-shapes and a large square one) measured in the same process, so the ratio survives a noisy machine.
+prefill of --tokens tokens, and the best GFLOP/s of plain jitted matmuls of the same dtype (the model's
+own shapes and a large square one) measured in the same process, so the ratio survives a noisy machine.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -30,12 +31,13 @@ def timed(fn, repeats: int) -> float:
     return min(samples)  # best of N: the least disturbed run, for the model and the ceiling alike
 
 
-def matmul_ceiling(shapes, repeats: int) -> dict:
+def matmul_ceiling(shapes, repeats: int, dtype: str = "float32") -> dict:
+    """GFLOP/s of plain jitted matmuls: `dtype` inputs, fp32 accumulation and output (the model's form)."""
     out = {}
     for m, k, n in shapes:
-        a = jax.random.normal(jax.random.key(0), (m, k), jnp.float32)
-        b = jax.random.normal(jax.random.key(1), (k, n), jnp.float32)
-        f = jax.jit(jnp.dot)
+        a = jax.random.normal(jax.random.key(0), (m, k), jnp.float32).astype(dtype)
+        b = jax.random.normal(jax.random.key(1), (k, n), jnp.float32).astype(dtype)
+        f = jax.jit(functools.partial(jnp.dot, preferred_element_type=jnp.float32))
         t = timed(lambda: f(a, b), repeats)
         out[f"{m}x{k}x{n}"] = 2.0 * m * k * n / t / 1e9
     return out
@@ -44,11 +46,12 @@ def matmul_ceiling(shapes, repeats: int) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint (default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=10)
     args = ap.parse_args(argv)
 
-    bb = lev_jax.load_backbone(args.model)
+    bb = lev_jax.load_backbone(args.model, dtype=args.dtype)
     cfg = bb.config
     T = args.tokens
     ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (1, T)), jnp.int32)
@@ -64,7 +67,7 @@ def main(argv=None):
     flops = cfg.flops_per_token((T + 1) / 2) * T
     gflops = flops / t / 1e9
     E, F = cfg.hidden_size, cfg.intermediate_size
-    ceiling = matmul_ceiling([(T, E, F), (T, F, E), (2048, 2048, 2048)], args.repeats)
+    ceiling = matmul_ceiling([(T, E, F), (T, F, E), (2048, 2048, 2048)], args.repeats, dtype=args.dtype)
     best = max(ceiling.values())
     print(f"backend: {jax.default_backend()}  devices: {jax.devices()}")
     print(f"model: {bb.name}  layers={cfg.num_hidden_layers} hidden={E} dtype={bb.dtype}")

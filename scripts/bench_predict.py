@@ -100,58 +100,69 @@ class Torch:
 
 
 def device_flops(engine, plan) -> float:
-    """FLOPs of the padded device work predict() does for a plan (prefill bucket + row bucket)."""
+    """FLOPs of the padded device work predict() does for a plan (prefill bucket + every row call)."""
     cfg = engine.backbone.config
     rows = [r for _, _, rs, _ in plan.questions for ro in rs for r in ro.rows]
     pb = buckets.fit(len(plan.prefix_ids), buckets.PREFIX[1:], "prefix")
-    tb = buckets.fit(max(len(r.tokens) for r in rows), buckets.SUFFIX, "suffix")
-    bb = buckets.fit(len(rows), buckets.ROWS, "rows")
-    return cfg.flops_per_token(pb / 2) * pb + bb * tb * cfg.flops_per_token(pb + tb / 2)
+    calls = engine._calls(rows)
+    return cfg.flops_per_token(pb / 2) * pb + sum(b * t * cfg.flops_per_token(pb + t / 2) for _, b, t, _ in calls)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ns", default="1,2,4,8,16,32")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="weight dtypes, for predict() and transformers alike")
     args = ap.parse_args(argv)
     ns = [int(x) for x in args.ns.split(",")]
+    dtypes = args.dtypes.split(",")
 
-    engine = lev_jax.load(calibration=None)
-    cold = lev_jax.Engine(engine.backbone, prefix_cache_bytes=0)
-    ref = Torch(transformers_gguf_model(embedded_default_path()))
+    engines = {d: lev_jax.load(calibration=None, dtype=d) for d in dtypes}
+    colds = {d: lev_jax.Engine(e.backbone, prefix_cache_bytes=0) for d, e in engines.items()}
+    base = transformers_gguf_model(embedded_default_path())
+    refs = {d: Torch(base if d == "float32" else copy.deepcopy(base).to(getattr(torch, d))) for d in dtypes}
     print(f"jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__} "
-          f"({torch.get_num_threads()} threads)")
-    plan0 = engine._plan(STATE, questions(1))
+          f"({torch.get_num_threads()} threads); dtypes {dtypes} (lev-jax bf16: bf16 weights and matmul inputs, "
+          f"fp32 accumulation and residual stream; transformers bf16: the model cast to bf16)")
+    engine0 = next(iter(engines.values()))
+    plan0 = engine0._plan(STATE, questions(1))
     print(f"state prefix: {len(plan0.prefix_ids)} tokens (chat header + state)")
-    results = []
+    cold_ms = {d: {} for d in dtypes}
     for n in ns:
         qs = questions(n)
-        plan = engine._plan(STATE, qs)
+        plan = engine0._plan(STATE, qs)
         rows = [r for _, _, rs, _ in plan.questions for ro in rs for r in ro.rows]
-        # same prompts, same numbers: check agreement once
-        ours = cold._read(plan.prefix_ids, rows)
-        theirs = ref.fork(plan.prefix_ids, rows)
-        diff = max(float(np.abs(a - b.numpy()).max()) for a, b in zip(ours, theirs))
-        t_pred = best_ms(lambda: cold.predict(STATE, qs), args.repeats)
-        t_warm = best_ms(lambda: engine.predict(STATE, qs), args.repeats)
-        t_ref = {m: best_ms(lambda m=m: getattr(ref, m)(plan.prefix_ids, rows), max(1, args.repeats - (n >= 16)))
-                 for m in ("naive", "fork", "batch")}
+        theirs = refs[dtypes[0]].fork(plan.prefix_ids, rows)  # same prompts, same numbers: check agreement once
+        t_ref = {}
+        for d, ref in refs.items():
+            for m in ("naive", "fork", "batch"):
+                t_ref[(m, d)] = best_ms(lambda m=m, ref=ref: getattr(ref, m)(plan.prefix_ids, rows),
+                                        max(1, args.repeats - (n >= 16)))
         fastest = min(t_ref, key=t_ref.get)
-        gflops = device_flops(engine, plan) / (t_pred / 1e3) / 1e9
-        results.append((n, len(rows), t_pred, t_ref, fastest, gflops, diff))
-        print(f"N={n:2d} rows={len(rows):2d} predict cold {t_pred:8.1f} warm {t_warm:8.1f} ms | naive "
-              f"{t_ref['naive']:8.1f} fork {t_ref['fork']:8.1f} batch {t_ref['batch']:8.1f} ms | vs {fastest}: "
-              f"cold {t_ref[fastest] / t_pred:5.2f}x warm {t_ref[fastest] / t_warm:5.2f}x | cold {gflops:6.1f} "
-              f"GFLOP/s | max |dlogit| {diff:.1e}", flush=True)
-    ceiling = max(matmul_ceiling([(512, 576, 1536), (2048, 2048, 2048)], 5).values())
-    print(f"matmul ceiling measured in this run: {ceiling:.1f} GFLOP/s")
-    by_n = {r[0]: r[2] for r in results}
-    if 1 in by_n and max(by_n) > 1:
-        n_max = max(by_n)
-        per_q = (by_n[n_max] - by_n[1]) / (n_max - 1)
-        state_ms = by_n[1] - per_q
-        print(f"marginal question cost: {per_q:.1f} ms; state (N=1 minus one question): {state_ms:.1f} ms; "
-              f"ratio {per_q / state_ms:.3f} (target <= 0.2)")
+        print(f"N={n:2d} rows={len(rows):2d} transformers ms: "
+              + " ".join(f"{m}/{d[:4]} {t:8.1f}" for (m, d), t in t_ref.items()) + f" | fastest {'/'.join(fastest)}")
+        for d in dtypes:
+            ours = colds[d]._read(plan.prefix_ids, rows)
+            diff = max(float(np.abs(a - b.float().numpy()).max()) for a, b in zip(ours, theirs))
+            t_pred = best_ms(lambda d=d: colds[d].predict(STATE, qs), args.repeats)
+            t_warm = best_ms(lambda d=d: engines[d].predict(STATE, qs), args.repeats)
+            same = min(((m, d) for m in ("naive", "fork", "batch")), key=t_ref.get)
+            gflops = device_flops(engines[d], plan) / (t_pred / 1e3) / 1e9
+            cold_ms[d][n] = t_pred
+            print(f"      predict {d:8s} cold {t_pred:8.1f} warm {t_warm:8.1f} ms | vs fastest overall "
+                  f"({'/'.join(fastest)}): cold {t_ref[fastest] / t_pred:5.2f}x warm {t_ref[fastest] / t_warm:5.2f}x"
+                  f" | vs fastest {d} ({same[0]}): {t_ref[same] / t_pred:5.2f}x | {gflops:6.1f} GFLOP/s (padded) |"
+                  f" max |dlogit| vs transformers {dtypes[0]} {diff:.1e}", flush=True)
+    ceiling = {d: max(matmul_ceiling([(512, 576, 1536), (2048, 2048, 2048)], 5, dtype=d).values()) for d in dtypes}
+    print("matmul ceiling measured in this run: "
+          + ", ".join(f"{d} {c:.1f} GFLOP/s" for d, c in ceiling.items()))
+    for d, by_n in cold_ms.items():
+        if 1 in by_n and max(by_n) > 1:
+            n_max = max(by_n)
+            per_q = (by_n[n_max] - by_n[1]) / (n_max - 1)
+            state_ms = by_n[1] - per_q
+            print(f"{d}: marginal question cost {per_q:.1f} ms; state (N=1 minus one question) {state_ms:.1f} ms; "
+                  f"ratio {per_q / state_ms:.3f} (target <= 0.2)")
 
 
 if __name__ == "__main__":

@@ -74,6 +74,21 @@ def test_equals_reference_on_the_embedded_model():
     rating = lev_jax.Engine(engine.backbone, noul_readout="rating", prompt_style="plain")
     _assert_close(rating.predict("The sky is green.", {"true": qs["vip"]}),
                   rating.predict("The sky is green.", {"true": qs["vip"]}, reference=True))
+    # bf16 weights (matmuls at the bf16 rate, fp32 accumulation and residual stream): the shared-prefix
+    # path agrees with bf16 independent forwards up to bf16 rounding, and with fp32 within ~1 point
+    bf16 = lev_jax.load(calibration=None, dtype="bfloat16")
+    fast16 = bf16.predict(STATE, qs)
+    _check_well_formed(fast16)
+    _assert_close(fast16, bf16.predict(STATE, qs, reference=True), tol=0.02)
+    _assert_close(fast16, fast, tol=0.03)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_bfloat16_engine_equals_its_reference(family):
+    engine = lev_jax.Engine(tiny_backbone(family, seed=3, dtype="bfloat16"))
+    fast = engine.predict(STATE, _questions())
+    _check_well_formed(fast)
+    _assert_close(fast, engine.predict(STATE, _questions(), reference=True), tol=5e-3)
 
 
 @pytest.mark.parametrize("layout,style", [("schema_first", "chat"), ("state_first", "plain"), ("schema_first", "plain")])
@@ -108,12 +123,12 @@ def test_no_recompilation_in_steady_state(tiny):
               for i in range(int(rng.integers(1, 5)))}
         return state, qs
 
-    warm = [request() for _ in range(40)]  # the traffic that defines the bucket set
+    warm = [request() for _ in range(60)]  # the traffic that defines the bucket set
     for r in warm:
         tiny.predict(*r)
     seen = set().union(*(tiny.programs(*r) for r in warm))
     before = tiny.compiled_programs
-    fresh = [r for r in (request() for _ in range(150)) if tiny.programs(*r) <= seen][:50]
+    fresh = [r for r in (request() for _ in range(400)) if tiny.programs(*r) <= seen][:50]
     assert len(fresh) == 50
     for r in fresh:  # new requests, new lengths, all inside the bucket set
         tiny.predict(*r)
@@ -197,7 +212,9 @@ def test_bad_questions_are_clear_errors(tiny, questions, message):
 
 def test_buckets_cover_the_limits():
     assert buckets.PREFIX[-1] >= 32768 and buckets.SUFFIX[-1] >= 32768
-    assert buckets.fit(65, buckets.PREFIX, "x") == 80 and buckets.fit(2049, buckets.PREFIX, "x") == 4096
+    assert buckets.fit(65, buckets.PREFIX, "x") == 72  # 8 sizes per octave: <= 1/8 padding
+    chunk = buckets.PREFILL_CHUNK  # beyond one prefill chunk, prefixes come in whole chunks
+    assert buckets.fit(2 * chunk + 1, buckets.PREFIX, "x") == 3 * chunk
     with pytest.raises(ValueError):
         buckets.fit(10**6, buckets.PREFIX, "prefix")
     assert math.isclose(lev_jax.engine.choice_confidence(np.array([1.0])), 1.0)
@@ -236,3 +253,18 @@ def test_more_rows_than_the_largest_row_bucket(tiny):
     ans = tiny.predict("facts", qs)
     assert len(ans) == 300 and all(0 < a["noul"] < 1 for a in ans.values())
     assert ans["n7"]["noul"] == pytest.approx(tiny.predict("facts", {"n7": qs["n7"]})["n7"]["noul"], abs=1e-5)
+
+
+def test_rows_are_split_into_even_calls_within_the_per_call_budget(tiny, monkeypatch):
+    qs = {f"n{i}": {"type": "noul", "instructions": f"Is fact number {i} true?"} for i in range(10)}  # 20 rows
+    whole = tiny.predict("facts", qs)
+    monkeypatch.setitem(buckets.ROW_TOKENS_PER_CALL, tiny.platform, 128)
+    plan = tiny.plan("facts", qs)
+    rows = [r for _, _, rs, _ in plan.questions for ro in rs for r in ro.rows]
+    calls = tiny._calls(rows)
+    assert len(calls) > 1
+    assert sorted(i for g, _, _, _ in calls for i in g) == list(range(len(rows)))
+    assert all(b * t <= 128 and len(g) <= b for g, b, t, _ in calls)
+    sizes = [len(g) for g, _, _, _ in calls]
+    assert max(sizes) - min(sizes) <= 1  # spread evenly, not a full call and a remainder
+    _assert_close(tiny.predict("facts", qs), whole)

@@ -89,3 +89,9 @@ def random_params(cfg, dtype="float32", seed: int = 0, init_std: float = 0.02):
 
 def abstract_params(cfg, dtype="float32"):
     return graph(cfg, str(jnp.dtype(dtype)))[1]
+
+
+def cast_params(params, cfg, dtype):
+    """The same weights in another dtype, leaf by leaf as the model declares them (A_log and
+    dt_bias stay fp32 in every dtype)."""
+    return jax.tree.map(lambda x, a: jnp.asarray(x, a.dtype), params, abstract_params(cfg, dtype))

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lev_jax.models import cache as cache_lib
-from lev_jax.models.layers import rope_cos_sin
+from lev_jax.models.layers import dense, rope_cos_sin
 
 
 class CausalLM(nnx.Module):
@@ -20,8 +20,7 @@ class CausalLM(nnx.Module):
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
         self.norm = norm
         if not cfg.tie_word_embeddings:
-            self.lm_head = nnx.Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, dtype=dtype,
-                                      param_dtype=dtype, rngs=rngs)
+            self.lm_head = dense(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
         self.tied = cfg.tie_word_embeddings
 
     def __call__(self, tokens_BT, cache=None, valid_BT=None, positions_BT=None, readout_BR=None,
@@ -42,7 +41,7 @@ class CausalLM(nnx.Module):
             "offset": None if cache is None else cache["offset"],
             "update_cache": update_cache,
         }
-        x = self.embed_tokens(tokens_BT)
+        x = self.embed_tokens(tokens_BT).astype(jnp.float32)  # the residual stream is fp32 (layers.py)
         new_layers = []
         for i, layer in enumerate(self.layers):
             x, layer_cache = layer(x, ctx, None if cache is None else cache["layers"][i])
@@ -57,16 +56,16 @@ class CausalLM(nnx.Module):
         if self.tied:
             w_VE = self.embed_tokens.embedding[...]
             w_NE = w_VE if token_ids is None else jnp.take(w_VE, token_ids, axis=0)
-            return jnp.einsum("...e,ne->...n", hidden_BRE, w_NE, preferred_element_type=jnp.float32)
+            return jnp.einsum("...e,ne->...n", hidden_BRE.astype(w_NE.dtype), w_NE, preferred_element_type=jnp.float32)
         w_EV = self.lm_head.kernel[...]
         w_EN = w_EV if token_ids is None else jnp.take(w_EV, token_ids, axis=1)
-        return jnp.einsum("...e,en->...n", hidden_BRE, w_EN, preferred_element_type=jnp.float32)
+        return jnp.einsum("...e,en->...n", hidden_BRE.astype(w_EN.dtype), w_EN, preferred_element_type=jnp.float32)
 
     def head_rows(self, hidden_BE, ids_BC):
         """fp32 logits of a different handful of head rows per batch row: [B, E] x [B, C] ids -> [B, C].
         A readout needs only its label tokens, never the whole vocabulary."""
         if self.tied:
             w_BCE = jnp.take(self.embed_tokens.embedding[...], ids_BC, axis=0)
-            return jnp.einsum("be,bce->bc", hidden_BE, w_BCE, preferred_element_type=jnp.float32)
+            return jnp.einsum("be,bce->bc", hidden_BE.astype(w_BCE.dtype), w_BCE, preferred_element_type=jnp.float32)
         w_EBC = jnp.take(self.lm_head.kernel[...], ids_BC, axis=1)  # gather columns; no [E, V] transpose
-        return jnp.einsum("be,ebc->bc", hidden_BE, w_EBC, preferred_element_type=jnp.float32)
+        return jnp.einsum("be,ebc->bc", hidden_BE.astype(w_EBC.dtype), w_EBC, preferred_element_type=jnp.float32)

@@ -4,7 +4,8 @@
         "offset": int32[]         next slot to write (all rows share it: suffixes are right-padded),
         "valid":  bool[Bc, S]     which slots hold a real token (bucket padding and suffix padding don't),
         "pos":    int32[Bc]       position of the next real token per row (= real tokens seen so far),
-        "layers": tuple           per layer: {"k", "v": [Bc, K, S, D]} for attention layers,
+        "layers": tuple           per layer: {"k": [Bc, K, D, S], "v": [Bc, K, S, D]} for attention layers
+                                  (keys stored transposed: scores are then plain [R, D] x [D, S] matmuls),
                                   {"conv": [Bc, Kconv-1, C], "state": f32[Bc, H, Dk, Dv]} for DeltaNet layers,
     }
 
@@ -17,6 +18,9 @@ import jax
 import jax.numpy as jnp
 
 from lev_jax.models.layers import write_slots
+
+
+SLOT_AXIS = {"k": 3, "v": 2}  # the slot axis of each attention cache entry (DeltaNet entries have none)
 
 
 def empty_cache(batch: int, slots: int, layer_caches: tuple) -> dict:
@@ -49,7 +53,7 @@ def grow(cache: dict, slots: int) -> dict:
         return jnp.pad(x, widths)
 
     layers = tuple(
-        {name: pad(arr, 2 if name in ("k", "v") else None) for name, arr in layer.items()} for layer in cache["layers"]
+        {name: pad(arr, SLOT_AXIS.get(name)) for name, arr in layer.items()} for layer in cache["layers"]
     )
     return {**cache, "valid": pad(cache["valid"], 1), "layers": layers}
 

@@ -3,7 +3,9 @@
 Shape suffixes: B batch rows, T new tokens in this call, S cached slots (the cache stores K/V as
 [B, K, S, D]), H query heads,
 K key/value heads, G = H // K query heads per KV head, D head dim, E model width.
-Numerically delicate parts (norm statistics, softmax) run in fp32 whatever the matmul dtype.
+Mixed precision: `dtype` is the weights' dtype and the matmuls' input dtype; every matmul accumulates
+and returns fp32, and the residual stream, norm statistics, softmax and recurrent state stay fp32.
+With bf16 weights the matmuls run at the bf16 rate (AMX / tensor cores), the rest keeps fp32 accuracy.
 """
 from __future__ import annotations
 
@@ -14,6 +16,13 @@ from flax import nnx
 # A large negative instead of -inf: a fully masked row (a padding query with nothing to see) then
 # gives a uniform softmax instead of NaN, and NaN can never leak into valid rows through a matmul.
 _MASKED = -1e30
+
+
+def dense(in_features: int, out_features: int, *, bias: bool = False, dtype, rngs: nnx.Rngs) -> nnx.Linear:
+    """A linear layer with `dtype` weights whose matmul casts its input to `dtype` and returns fp32.
+    (XLA:CPU runs bf16 x bf16 -> fp32 on AMX at ~5x the fp32 rate; bf16 -> bf16 is no faster than fp32.)"""
+    return nnx.Linear(in_features, out_features, use_bias=bias, dtype=dtype, param_dtype=dtype,
+                      preferred_element_type=jnp.float32, rngs=rngs)
 
 
 class RMSNorm(nnx.Module):
@@ -39,7 +48,7 @@ class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
     def __init__(self, dim: int, hidden: int, *, dtype, rngs: nnx.Rngs):
-        lin = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        lin = lambda i, o: dense(i, o, dtype=dtype, rngs=rngs)
         self.gate_proj = lin(dim, hidden)
         self.up_proj = lin(dim, hidden)
         self.down_proj = lin(hidden, dim)
@@ -68,35 +77,69 @@ def apply_rope(x_BTHD, cos_BTR, sin_BTR):
     return out.astype(x_BTHD.dtype)
 
 
-def attend(q_BTHD, k_BTKD, v_BTKD, valid_BT, cache_k_BKSD, cache_v_BKSD, cache_valid_BS, scale: float):
+def attend(q_BTHD, k_BTKD, v_BTKD, valid_BT, cache_k_BKDS, cache_v_BKSD, cache_valid_BS, scale: float,
+           dtype=None):
     """Causal GQA attention of T new queries over (cached slots, then the T new keys).
 
-    The cache may hold 1 row shared by all B query rows (a forked prefix is then read in place,
-    never copied: matmul broadcasts the batch axis) or B rows. Cached slots are visible where
-    `cache_valid_BS`; new keys where causal and valid. Queries are laid out [B, K, G*T, D] so both
-    products are plain batched matmuls (XLA:CPU runs 5-D einsums with group axes ~2x slower).
+    The cache may hold 1 row shared by all B query rows (a forked prefix, read in place and never
+    copied) or B rows. Cached slots are visible where `cache_valid_BS`; new keys where causal and
+    valid. Per KV head, the G query heads of all T tokens form R = G*T query rows; against a shared
+    cache every query row of every batch row meets the same keys, so the cache products are one
+    plain [B*R, D] x [D, S] matmul per KV head (XLA:CPU runs large *batched* dots ~10x slower than
+    the same work as 2-D dots, hence the loop over the few KV heads). Products take `dtype` inputs
+    (the weights' dtype) and accumulate fp32; softmax statistics are fp32 and the normalisation comes
+    after the value product, so the cache block and the new-token block are never concatenated.
     """
     B, T, H, D = q_BTHD.shape
     K = k_BTKD.shape[2]
-    G = H // K
-    q_BKRD = q_BTHD.reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, D)  # R = (g, t)
-    k_BKTD, v_BKTD = k_BTKD.transpose(0, 2, 1, 3), v_BTKD.transpose(0, 2, 1, 3)
+    G, R = H // K, (H // K) * T
+    dt = dtype or q_BTHD.dtype
     f32 = jnp.float32
-    scores_new = jnp.matmul(q_BKRD, k_BKTD.swapaxes(-1, -2), preferred_element_type=f32).reshape(B, K, G, T, T)
-    causal_TS = jnp.tril(jnp.ones((T, T), dtype=bool))
-    mask_new = causal_TS[None] & valid_BT[:, None, :]  # [B, T, S=T]
-    blocks = [jnp.where(mask_new[:, None, None], scores_new * scale, _MASKED)]
-    if cache_k_BKSD is not None:
-        S = cache_k_BKSD.shape[2]
-        scores_cache = jnp.matmul(q_BKRD, cache_k_BKSD.swapaxes(-1, -2), preferred_element_type=f32)
-        scores_cache = scores_cache.reshape(B, K, G, T, S)
-        blocks.insert(0, jnp.where(cache_valid_BS[:, None, None, None, :], scores_cache * scale, _MASKED))
-    scores = jnp.concatenate(blocks, axis=-1) if len(blocks) > 1 else blocks[0]
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BTKD.dtype)
-    out_BKRD = jnp.matmul(probs[..., -T:].reshape(B, K, G * T, T), v_BKTD)
-    if cache_k_BKSD is not None:
-        out_BKRD = out_BKRD + jnp.matmul(probs[..., :S].reshape(B, K, G * T, S), cache_v_BKSD)
+    q_BKRD = (q_BTHD * scale).reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4).reshape(B, K, R, D).astype(dt)  # r=(g,t)
+    k_BKDT = k_BTKD.transpose(0, 2, 3, 1).astype(dt)
+    v_BKTD = v_BTKD.transpose(0, 2, 1, 3).astype(dt)
+    mask_new_BRT = jnp.tile(jnp.tril(jnp.ones((T, T), bool)), (G, 1))[None] & valid_BT[:, None, :]
+    has_cache = cache_k_BKDS is not None
+    shared = has_cache and cache_k_BKDS.shape[0] == 1 and B > 1
+    if has_cache:
+        mask_cache_B1S = cache_valid_BS[:, None, :]
+        ck_BKDS, cv_BKSD = cache_k_BKDS.astype(dt), cache_v_BKSD.astype(dt)
+
+    # Each score block takes few passes: the masked max (select fused into the reduce), then one
+    # pass that exponentiates, masks and casts to `dtype` for the value product. A query row with
+    # nothing visible gets all-zero weights (denominator clamped), never NaN.
+    outs = []
+    for h in range(K):
+        q_BRD = q_BKRD[:, h]
+        s_new = jnp.einsum("brd,bdt->brt", q_BRD, k_BKDT[:, h], preferred_element_type=f32)
+        m = jnp.where(mask_new_BRT, s_new, _MASKED).max(axis=-1, keepdims=True)
+        if has_cache:
+            if shared:
+                s_cache = jnp.dot(q_BRD.reshape(B * R, D), ck_BKDS[0, h], preferred_element_type=f32).reshape(B, R, -1)
+            else:
+                s_cache = jnp.einsum("brd,bds->brs", q_BRD, ck_BKDS[:, h], preferred_element_type=f32)
+            m = jnp.maximum(m, jnp.where(mask_cache_B1S, s_cache, _MASKED).max(axis=-1, keepdims=True))
+        p_new = jnp.where(mask_new_BRT, jnp.exp(s_new - m), 0.0).astype(dt)
+        denom = p_new.astype(f32).sum(axis=-1, keepdims=True)
+        out_BRD = jnp.einsum("brt,btd->brd", p_new, v_BKTD[:, h], preferred_element_type=f32)
+        if has_cache:
+            p_cache = jnp.where(mask_cache_B1S, jnp.exp(s_cache - m), 0.0).astype(dt)
+            denom = denom + p_cache.astype(f32).sum(axis=-1, keepdims=True)
+            if shared:
+                out_BRD = out_BRD + jnp.dot(p_cache.reshape(B * R, -1), cv_BKSD[0, h],
+                                            preferred_element_type=f32).reshape(B, R, D)
+            else:
+                out_BRD = out_BRD + jnp.einsum("brs,bsd->brd", p_cache, cv_BKSD[:, h], preferred_element_type=f32)
+        outs.append(out_BRD / jnp.maximum(denom, 1e-30))
+    out_BKRD = jnp.stack(outs, axis=1)
     return out_BKRD.reshape(B, K, G, T, D).transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
+
+
+def kv_cache(batch: int, kv_heads: int, slots: int, head_dim: int, dtype) -> dict:
+    """An empty attention cache entry: keys [B, K, D, S] (stored transposed, so scores are plain
+    [R, D] x [D, S] matmuls; XLA:CPU runs the transposed-operand form ~3x slower), values [B, K, S, D]."""
+    return {"k": jnp.zeros((batch, kv_heads, head_dim, slots), dtype),
+            "v": jnp.zeros((batch, kv_heads, slots, head_dim), dtype)}
 
 
 def write_slots(buf, new, offset, batch: int, axis: int = 1):
@@ -119,7 +162,7 @@ class Attention(nnx.Module):
                  output_gate=False, dtype, rngs: nnx.Rngs):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.output_gate = output_gate
-        lin = lambda i, o, b: nnx.Linear(i, o, use_bias=b, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        lin = lambda i, o, b: dense(i, o, bias=b, dtype=dtype, rngs=rngs)
         self.q_proj = lin(dim, num_heads * head_dim * (2 if output_gate else 1), qkv_bias)
         self.k_proj = lin(dim, num_kv_heads * head_dim, qkv_bias)
         self.v_proj = lin(dim, num_kv_heads * head_dim, qkv_bias)
@@ -147,15 +190,16 @@ class Attention(nnx.Module):
         ck = cv = None
         if layer_cache is not None:
             ck, cv = layer_cache["k"], layer_cache["v"]
-        out = attend(q_BTHD, k_BTKD, v_BTKD, valid_BT, ck, cv, cache_valid_BS, D**-0.5).reshape(B, T, H * D)
+        out = attend(q_BTHD, k_BTKD, v_BTKD, valid_BT, ck, cv, cache_valid_BS, D**-0.5,
+                     dtype=self.o_proj.kernel.dtype).reshape(B, T, H * D)
         if gate_BTX is not None:
             out = out * jax.nn.sigmoid(gate_BTX)
-        k_BKTD, v_BKTD = k_BTKD.transpose(0, 2, 1, 3), v_BTKD.transpose(0, 2, 1, 3)
+        k_BKDT, v_BKTD = k_BTKD.transpose(0, 2, 3, 1), v_BTKD.transpose(0, 2, 1, 3)
         if not update_cache:
             new_cache = None
         elif layer_cache is None:
-            new_cache = {"k": k_BKTD, "v": v_BKTD}
+            new_cache = {"k": k_BKDT, "v": v_BKTD}
         else:
-            new_cache = {"k": write_slots(ck, k_BKTD, offset, B, axis=2),
+            new_cache = {"k": write_slots(ck, k_BKDT, offset, B, axis=3),
                          "v": write_slots(cv, v_BKTD, offset, B, axis=2)}
         return self.o_proj(out), new_cache

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lev_jax.models.base import CausalLM
-from lev_jax.models.layers import MLP, Attention, RMSNorm
+from lev_jax.models.layers import MLP, Attention, RMSNorm, kv_cache
 
 FAMILY = {  # model_type -> (qkv_bias, qk_norm)
     "llama": (False, None),
@@ -67,8 +67,8 @@ class LlamaConfig:
         return LlamaLM(self, dtype=dtype, rngs=rngs or nnx.Rngs(0))
 
     def layer_cache(self, batch: int, slots: int, dtype):
-        kv = jnp.zeros((batch, self.num_key_value_heads, slots, self.head_dim), dtype)
-        return tuple({"k": kv, "v": kv} for _ in range(self.num_hidden_layers))
+        return tuple(kv_cache(batch, self.num_key_value_heads, slots, self.head_dim, dtype)
+                     for _ in range(self.num_hidden_layers))
 
     def flops_per_token(self, context: int) -> float:
         """Forward FLOPs per token (matmuls only) at a given attended context length."""

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lev_jax.models.base import CausalLM
-from lev_jax.models.layers import MLP, Attention, RMSNorm
+from lev_jax.models.layers import MLP, Attention, RMSNorm, dense, kv_cache
 
 CHUNK = 64
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -91,11 +91,10 @@ class Qwen3_5Config:
         out = []
         for kind in self.layer_types:
             if kind == "full_attention":
-                kv = jnp.zeros((batch, self.num_key_value_heads, slots, self.head_dim), dtype)
-                out.append({"k": kv, "v": kv})
+                out.append(kv_cache(batch, self.num_key_value_heads, slots, self.head_dim, dtype))
             else:
                 out.append({
-                    "conv": jnp.zeros((batch, self.linear_conv_kernel_dim - 1, self.conv_dim), dtype),
+                    "conv": jnp.zeros((batch, self.linear_conv_kernel_dim - 1, self.conv_dim), jnp.float32),
                     "state": jnp.zeros((batch, self.linear_num_value_heads, self.linear_key_head_dim,
                                         self.linear_value_head_dim), jnp.float32),
                 })
@@ -194,7 +193,7 @@ class GatedDeltaNet(nnx.Module):
         self.cfg = cfg
         E = cfg.hidden_size
         Hv, Dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
-        lin = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        lin = lambda i, o: dense(i, o, dtype=dtype, rngs=rngs)
         self.in_proj_qkv = lin(E, cfg.conv_dim)
         self.in_proj_z = lin(E, Hv * Dv)
         self.in_proj_b = lin(E, Hv)

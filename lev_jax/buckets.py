@@ -30,7 +30,7 @@ SUFFIX = geometric(8, 32768, 8)
 ROWS = geometric(1, 512, 2)
 CODES = (2, 9, 32, 128, 704)
 # rows x suffix bucket per call; more rows are split across calls of near-equal size
-ROW_TOKENS_PER_CALL = {"cpu": 1536}
+ROW_TOKENS_PER_CALL = {"cpu": 1024}
 ROW_TOKENS_PER_CALL_DEFAULT = 1 << 16
 
 

@@ -78,14 +78,17 @@ class Backbone:
         total = n_chunks * chunk if P > chunk else P
         step = min(chunk, P)
         slots = max(slots or 0, total)
-        cache = models.init_cache(self.config, B, slots, self.dtype)
         tok_pad = np.zeros((B, total), np.int32)
         val_pad = np.zeros((B, total), bool)
         tok_pad[:, :P], val_pad[:, :P] = tokens, valid_np
+        # the first chunk runs without a cache (nothing to attend to but itself: no scores against
+        # empty slots) and returns exactly its own slots; later chunks continue in a cache grown to size
+        cache = None
         for start in range(0, total, step):
             sl = slice(start, start + step)
             _, cache = _extend(self.params, jnp.asarray(tok_pad[:, sl]), jnp.asarray(val_pad[:, sl]), None, cache,
                                self.config)
+            cache = cache_lib.grow(cache, slots)
         return cache
 
     def extend(self, cache, token_ids_BT, valid_BT=None, readout_BR=None):

@@ -1,7 +1,7 @@
 """Bounded load test of the System One server, on loopback only.
 
     python -m scripts.loadtest                          # starts `python -m serve` (embedded model) itself
-    python -m scripts.loadtest --model /path/to/ckpt --burst 200 --max-pending 16
+    python -m scripts.loadtest --model /path/to/ckpt --burst 200 --max-pending 16 [--dtype bfloat16]
     python -m scripts.loadtest --url http://127.0.0.1:8000 --key KEY   # a server you started (loopback only)
 
 Phases (every loop is bounded in count and time, and the script stops by itself):
@@ -288,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", help="a running server on loopback (default: start `python -m serve`)")
     p.add_argument("--key", help="API key for --url")
     p.add_argument("--model", help="--model for the server this script starts (default: the embedded model)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="--dtype for the server this script starts")
     p.add_argument("--max-pending", type=int, default=16, help="--max-pending for the server this script starts")
     p.add_argument("--burst", type=int, default=200)
     p.add_argument("--distinct", type=int, default=8, help="distinct request bodies")
@@ -304,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from lev_jax.server.testing import ServerProcess
 
-        server_args = ["--max-pending", str(args.max_pending)] + (["--model", args.model] if args.model else [])
+        server_args = (["--max-pending", str(args.max_pending), "--dtype", args.dtype]
+                       + (["--model", args.model] if args.model else []))
         server = ServerProcess(server_args, startup_timeout=600).__enter__()
         url = server.url
     try:

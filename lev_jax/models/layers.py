@@ -58,22 +58,21 @@ class MLP(nnx.Module):
 
 
 def rope_cos_sin(positions_BT, rot_dim: int, theta: float):
-    """cos/sin [B, T, rot_dim] in fp32 for the rotate-half convention (frequencies repeated twice)."""
+    """cos/sin [B, T, rot_dim / 2] in fp32, one per frequency (rotate-half convention: the first and
+    second halves of the rotated dims share the frequencies)."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, rot_dim, 2, dtype=jnp.float32) / rot_dim))
     freqs_BTF = positions_BT.astype(jnp.float32)[..., None] * inv_freq
-    emb = jnp.concatenate([freqs_BTF, freqs_BTF], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    return jnp.cos(freqs_BTF), jnp.sin(freqs_BTF)
 
 
-def apply_rope(x_BTHD, cos_BTR, sin_BTR):
-    """Rotary embedding on the first R dims of each head (R = D for full rotary, D/4 for Qwen3.5)."""
-    rot = cos_BTR.shape[-1]
+def apply_rope(x_BTHD, cos_BTF, sin_BTF):
+    """Rotary embedding on the first 2F dims of each head (all D for full rotary, D/4 for Qwen3.5):
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), one concatenate, no duplicated cos/sin."""
+    half = cos_BTF.shape[-1]
     x32 = x_BTHD.astype(jnp.float32)
-    x_rot, x_pass = x32[..., :rot], x32[..., rot:]
-    x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2 :]
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    cos, sin = cos_BTR[:, :, None, :], sin_BTR[:, :, None, :]
-    out = jnp.concatenate([x_rot * cos + rotated * sin, x_pass], axis=-1)
+    x1, x2, x_pass = x32[..., :half], x32[..., half : 2 * half], x32[..., 2 * half :]
+    cos, sin = cos_BTF[:, :, None, :], sin_BTF[:, :, None, :]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x_pass], axis=-1)
     return out.astype(x_BTHD.dtype)
 
 
@@ -197,8 +196,9 @@ class Attention(nnx.Module):
         k_BKDT, v_BKTD = k_BTKD.transpose(0, 2, 3, 1), v_BTKD.transpose(0, 2, 1, 3)
         if not update_cache:
             new_cache = None
-        elif layer_cache is None:
-            new_cache = {"k": k_BKDT, "v": v_BKTD}
+        elif layer_cache is None:  # a cache of exactly these T slots, in the cache dtype (the weights')
+            dt = self.o_proj.kernel.dtype
+            new_cache = {"k": k_BKDT.astype(dt), "v": v_BKTD.astype(dt)}
         else:
             new_cache = {"k": write_slots(ck, k_BKDT, offset, B, axis=3),
                          "v": write_slots(cv, v_BKTD, offset, B, axis=2)}

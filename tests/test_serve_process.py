@@ -132,6 +132,31 @@ def test_sdk_errors_are_typed(keyed_server):
             c.system_one(state="x", questions={"q": Noul(instructions="?")}, model="nope")
 
 
+def test_idle_connection_outlives_a_retry_after_wait(open_server):
+    """A client that waits out a Retry-After (the load test's clients wait up to 5 s) reuses its
+    keep-alive connection; the server must not have closed it meanwhile (uvicorn's default is 5 s)."""
+    import socket
+    from urllib.parse import urlparse
+
+    u = urlparse(open_server.url)
+    request = f"GET /health HTTP/1.1\r\nHost: {u.hostname}\r\n\r\n".encode()
+    with socket.create_connection((u.hostname, u.port), timeout=10) as sock:
+        for attempt in range(2):
+            sock.sendall(request)
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = sock.recv(65536)
+                assert chunk, f"the server closed the connection (request {attempt + 1})"
+                head += chunk
+            assert head.startswith(b"HTTP/1.1 200"), head[:80]
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+            body = head.split(b"\r\n\r\n", 1)[1]
+            while len(body) < length:
+                body += sock.recv(65536)
+            if attempt == 0:
+                time.sleep(6.5)
+
+
 def test_graceful_shutdown_finishes_requests_in_flight(open_server):
     """SIGTERM while requests are queued and running: every one of them is answered 200, then the
     process exits cleanly. (Runs last: it stops the module's open server.)"""

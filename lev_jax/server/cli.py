@@ -21,6 +21,12 @@ WARMUP_QUESTIONS = {
 }
 
 
+# Idle keep-alive connections stay open longer than any Retry-After the server hands out
+# (scheduler.MAX_RETRY_AFTER_S): a client that waits it out reuses its connection instead of racing
+# the server's close (uvicorn's default of 5 s lost requests in the load test's retry phase).
+KEEP_ALIVE_S = 75
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = ServerConfig()
     p = argparse.ArgumentParser(prog="python -m serve", description=(
@@ -95,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("warmed up in %.1fs", time.perf_counter() - t0)
     app = create_app(engine, config)
     uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                        timeout_graceful_shutdown=config.drain_timeout_s + 5, server_header=False)
+                        timeout_graceful_shutdown=config.drain_timeout_s + 5, server_header=False,
+                        timeout_keep_alive=KEEP_ALIVE_S)
     uvicorn.Server(uv).run()
     return 0

@@ -25,6 +25,7 @@ from typing import Any
 
 log = logging.getLogger("lev_jax.server")
 
+MAX_RETRY_AFTER_S = 60.0
 RunBatch = Callable[[Sequence[tuple[Any, dict]]], Sequence[Any]]
 
 
@@ -151,9 +152,9 @@ class Scheduler:
 
     def retry_after(self) -> float:
         """Seconds until a slot is likely free: the batch running now and the batches queued behind
-        it, at the recent batch time (at least 50 ms)."""
+        it, at the recent batch time (at least 50 ms, at most MAX_RETRY_AFTER_S)."""
         batches_ahead = max(1.0, self._pending / max(1.0, self._batch_rows))
-        return max(0.05, batches_ahead * self._batch_s)
+        return min(MAX_RETRY_AFTER_S, max(0.05, batches_ahead * self._batch_s))
 
     def submit(self, state: Any, questions: dict, tokens: int) -> Ticket:
         if self._closing or self._worker is None:

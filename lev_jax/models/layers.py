@@ -1,8 +1,8 @@
 """Building blocks shared by every backbone: norms, rotary embeddings, cached attention, SwiGLU.
 
-Shape suffixes: B batch rows, T new tokens in this call, S cached slots (the cache stores K/V as
-[B, K, S, D]), H query heads,
-K key/value heads, G = H // K query heads per KV head, D head dim, E model width.
+Shape suffixes: B batch rows, T new tokens in this call, S cached slots (the cache stores keys as
+[B, K, D, S] and values as [B, K, S, D]), H query heads, K key/value heads, G = H // K query heads
+per KV head, D head dim, E model width.
 Mixed precision: `dtype` is the weights' dtype and the matmuls' input dtype; every matmul accumulates
 and returns fp32, and the residual stream, norm statistics, softmax and recurrent state stay fp32.
 With bf16 weights the matmuls run at the bf16 rate (AMX / tensor cores), the rest keeps fp32 accuracy.
@@ -104,8 +104,8 @@ def attend(q_BTHD, k_BTKD, v_BTKD, valid_BT, cache_k_BKDS, cache_v_BKSD, cache_v
         mask_cache_B1S = cache_valid_BS[:, None, :]
         ck_BKDS, cv_BKSD = cache_k_BKDS.astype(dt), cache_v_BKSD.astype(dt)
 
-    # Each score block takes few passes: the masked max (select fused into the reduce), then one
-    # pass that exponentiates, masks and casts to `dtype` for the value product. A query row with
+    # Per score block: the masked max, then one pass that exponentiates, masks and casts to `dtype`
+    # for the value product (the denominator sums exactly the weights used). A query row with
     # nothing visible gets all-zero weights (denominator clamped), never NaN.
     outs = []
     for h in range(K):

@@ -170,14 +170,18 @@ def test_graceful_shutdown_finishes_requests_in_flight(open_server):
 
     with concurrent.futures.ThreadPoolExecutor(n) as pool:
         futures = [pool.submit(ask, i) for i in range(n)]
+        # SIGTERM once every request has reached the scheduler (in flight, or already answered) and
+        # some are still in flight; a connection still in the kernel's accept backlog at that moment
+        # would be refused, which is a client retry, not what this test is about
         deadline = time.monotonic() + 60
-        seen = 0
+        seen = done = 0
         while time.monotonic() < deadline:
             seen = httpx.get(open_server.url + "/health", timeout=10).json()["in_flight"]
-            if seen >= n // 2:
+            done = sum(f.done() for f in futures)
+            if seen > 0 and seen + done >= n:
                 break
             time.sleep(0.01)
-        assert seen >= n // 2, f"only {seen} requests in flight"
+        assert seen > 0 and seen + done >= n, f"{seen} requests in flight, {done} answered, of {n}"
         open_server.proc.send_signal(signal.SIGTERM)
         statuses = [f.result().status_code for f in futures]
     assert statuses == [200] * n, statuses

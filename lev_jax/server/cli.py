@@ -27,6 +27,16 @@ WARMUP_QUESTIONS = {
 KEEP_ALIVE_S = 75
 
 
+def uvicorn_config(app, *, host: str, port: int, log_level: str = "info", drain_timeout_s: float = 30.0):
+    """The one uvicorn configuration every server runs with (`python -m serve` and the test servers), so
+    tests meet the connection handling clients do."""
+    import uvicorn
+
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on",
+                          timeout_graceful_shutdown=drain_timeout_s + 5, server_header=False,
+                          timeout_keep_alive=KEEP_ALIVE_S)
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = ServerConfig()
     p = argparse.ArgumentParser(prog="python -m serve", description=(
@@ -100,8 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.predict_many([("Warm-up.", WARMUP_QUESTIONS)])
         log.info("warmed up in %.1fs", time.perf_counter() - t0)
     app = create_app(engine, config)
-    uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                        timeout_graceful_shutdown=config.drain_timeout_s + 5, server_header=False,
-                        timeout_keep_alive=KEEP_ALIVE_S)
+    uv = uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level,
+                        drain_timeout_s=config.drain_timeout_s)
     uvicorn.Server(uv).run()
     return 0

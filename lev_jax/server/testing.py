@@ -107,10 +107,11 @@ class ThreadServer:
     def __init__(self, app, *, startup_timeout: float = 30.0):
         import uvicorn
 
+        from .cli import uvicorn_config
+
         self.port = free_port()
         self.url = f"http://{LOOPBACK}:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host=LOOPBACK, port=self.port, log_level="warning",
-                                                    access_log=False, lifespan="on"))
+        self.server = uvicorn.Server(uvicorn_config(app, host=LOOPBACK, port=self.port, log_level="warning"))
         self.server.install_signal_handlers = lambda: None  # not the main thread
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.startup_timeout = startup_timeout

@@ -35,14 +35,15 @@ QUESTION_TYPES = ("choice", "score", "noul")
 NOUL_READOUTS = (labels.BINARY, labels.RATING)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _read_rows(params, cache, prefix_B, tokens_BT, valid_BT, answer_B, label_ids_BC, cfg):
+@functools.partial(jax.jit, static_argnames=("cfg", "anchored"))
+def _read_rows(params, cache, prefix_B, tokens_BT, valid_BT, answer_B, label_ids_BC, cfg, anchored=True):
     """Label logits of B rows continuing a prefix cache. `prefix_B` (None: one shared prefix) picks,
-    per row, its request's prefix out of a cache that stacks several requests' prefixes."""
+    per row, its request's prefix out of a cache that stacks several requests' prefixes.
+    `anchored`: the anchored attention softmax (layers.attend); a row it cannot serve is NaN."""
     if prefix_B is not None:
         cache = jax.tree.map(lambda x: x if x.ndim == 0 else jnp.take(x, prefix_B, axis=0), cache)
     hidden_BRE, _ = models.forward(params, tokens_BT, cache, cfg, valid_BT=valid_BT, readout_BR=answer_B[:, None],
-                                   update_cache=False)
+                                   update_cache=False, anchored_softmax=anchored)
     return models.label_logits(params, hidden_BRE[:, 0], label_ids_BC, cfg)
 
 
@@ -185,6 +186,7 @@ class Engine:
         self.prefix_cache_bytes = prefix_cache_bytes
         self._prefixes: collections.OrderedDict[tuple, tuple[object, int]] = collections.OrderedDict()
         self._lock = threading.Lock()
+        self.exact_reruns = 0  # row calls the anchored softmax could not serve (see _read_rows)
 
     # -- planning ------------------------------------------------------------------------------
     def _row(self, state_text: str, question_text: str, label_ids, lead: str = "") -> _Row:
@@ -360,9 +362,14 @@ class Engine:
                 ids[j, : len(r.label_ids)] = r.label_ids
                 if prefix is not None:
                     prefix[j] = prefix_of_row[i]
-            logits = np.asarray(_read_rows(bb.params, cache, None if prefix is None else jnp.asarray(prefix),
-                                           jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(answer),
-                                           jnp.asarray(ids), bb.config))
+            args = (bb.params, cache, None if prefix is None else jnp.asarray(prefix), jnp.asarray(tokens),
+                    jnp.asarray(valid), jnp.asarray(answer), jnp.asarray(ids), bb.config)
+            logits = np.asarray(_read_rows(*args))
+            if not np.isfinite(logits[: len(call)]).all():
+                # the anchored softmax met a cached score far above a row's own ones (layers.attend):
+                # the exact stabiliser, for this call only
+                self.exact_reruns += 1
+                logits = np.asarray(_read_rows(*args, anchored=False))
             for j, i in enumerate(call):
                 out[i] = logits[j, : len(rows[i].label_ids)]
         return out

@@ -268,3 +268,19 @@ def test_rows_are_split_into_even_calls_within_the_per_call_budget(tiny, monkeyp
     sizes = [len(g) for g, _, _, _ in calls]
     assert max(sizes) - min(sizes) <= 1  # spread evenly, not a full call and a remainder
     _assert_close(tiny.predict("facts", qs), whole)
+
+
+def test_rows_the_anchored_softmax_cannot_serve_are_rerun_exactly():
+    """Attention logits in the thousands (q and k projections scaled up): the fast readout's anchored
+    softmax overflows on some rows; the engine sees the NaN, reruns that call with the exact
+    stabiliser, and the answers still equal independent full forwards."""
+    import jax
+
+    bb = tiny_backbone("llama", seed=1)
+    scale = lambda path, x: x * 12.0 if any(getattr(p, "key", None) in ("q_proj", "k_proj") for p in path) else x
+    bb.params = jax.tree_util.tree_map_with_path(scale, bb.params)
+    engine = lev_jax.Engine(bb)
+    fast = engine.predict(STATE, _questions())
+    assert engine.exact_reruns > 0
+    _check_well_formed(fast)
+    _assert_close(fast, engine.predict(STATE, _questions(), reference=True), tol=1e-4)

@@ -24,11 +24,13 @@ class CausalLM(nnx.Module):
         self.tied = cfg.tie_word_embeddings
 
     def __call__(self, tokens_BT, cache=None, valid_BT=None, positions_BT=None, readout_BR=None,
-                 update_cache: bool = True):
+                 update_cache: bool = True, anchored_softmax: bool = False):
         """Run T new tokens after `cache` (None: no context). Returns (hidden, new_cache) where hidden
         is the final-normed state at `readout_BR` ([B, R, E], indices into the T new tokens) or at
         every new token ([B, T, E]). With `update_cache=False` nothing is written (new_cache is None):
-        a readout over a shared prefix never needs B copies of it, nor room in its buffer."""
+        a readout over a shared prefix never needs B copies of it, nor room in its buffer.
+        `anchored_softmax`: attention against a shared cache uses the faster anchored stabiliser
+        (layers.attend); a row it cannot serve comes out NaN and must be rerun without it."""
         B, T = tokens_BT.shape
         if valid_BT is None:
             valid_BT = jnp.ones((B, T), bool)
@@ -39,7 +41,7 @@ class CausalLM(nnx.Module):
             "cos": cos, "sin": sin, "valid": valid_BT,
             "cache_valid": None if cache is None else cache["valid"],
             "offset": None if cache is None else cache["offset"],
-            "update_cache": update_cache,
+            "update_cache": update_cache, "anchored_softmax": anchored_softmax,
         }
         x = self.embed_tokens(tokens_BT).astype(jnp.float32)  # the residual stream is fp32 (layers.py)
         new_layers = []

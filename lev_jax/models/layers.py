@@ -9,6 +9,8 @@ With bf16 weights the matmuls run at the bf16 rate (AMX / tensor cores), the res
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -62,7 +64,16 @@ def rope_cos_sin(positions_BT, rot_dim: int, theta: float):
     second halves of the rotated dims share the frequencies)."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, rot_dim, 2, dtype=jnp.float32) / rot_dim))
     freqs_BTF = positions_BT.astype(jnp.float32)[..., None] * inv_freq
-    return jnp.cos(freqs_BTF), jnp.sin(freqs_BTF)
+    return _materialize(jnp.cos(freqs_BTF)), _materialize(jnp.sin(freqs_BTF))
+
+
+def _materialize(x):
+    """`x`, computed once into a buffer. XLA:CPU otherwise fuses cheap-looking producers such as cos/sin
+    into every consumer and re-evaluates them per element (for rotary: per head, in every layer, 10 % of
+    a bf16 forward). A product with the identity is exact in fp32 and fusions never reach through a
+    dot; `optimization_barrier` does not help, XLA:CPU strips it before fusion."""
+    n = x.shape[-1]
+    return jnp.dot(x, jnp.eye(n, dtype=x.dtype), precision=jax.lax.Precision.HIGHEST)
 
 
 def apply_rope(x_BTHD, cos_BTF, sin_BTF):
@@ -76,8 +87,16 @@ def apply_rope(x_BTHD, cos_BTF, sin_BTF):
     return out.astype(x_BTHD.dtype)
 
 
+# The anchored softmax's stabiliser sits this far above the row's own-token max: own-token weights
+# are then <= 2^-87 and a cached score may exceed the own max by up to 60 + 77 before exp overflows
+# fp32 (77: e^77 x 65536 slots still sums below fp32's max); the own max term stays a normal number,
+# so nothing that matters underflows. A whole power of two (87 ln 2 = 60.3): the weights are the
+# exact path's times 2^-87, with the same mantissas, so bf16 rounds them the same way.
+ANCHOR_OFFSET = 87 * math.log(2)
+
+
 def attend(q_BTHD, k_BTKD, v_BTKD, valid_BT, cache_k_BKDS, cache_v_BKSD, cache_valid_BS, scale: float,
-           dtype=None):
+           dtype=None, anchored: bool = False):
     """Causal GQA attention of T new queries over (cached slots, then the T new keys).
 
     The cache may hold 1 row shared by all B query rows (a forked prefix, read in place and never
@@ -88,6 +107,14 @@ def attend(q_BTHD, k_BTKD, v_BTKD, valid_BT, cache_k_BKDS, cache_v_BKSD, cache_v
     the same work as 2-D dots, hence the loop over the few KV heads). Products take `dtype` inputs
     (the weights' dtype) and accumulate fp32; softmax statistics are fp32 and the normalisation comes
     after the value product, so the cache block and the new-token block are never concatenated.
+
+    Softmax stabiliser. Exact (default): each block (cached slots, new tokens) takes its own max and
+    the blocks are rescaled to the common max after their value products (as in flash attention).
+    `anchored` (shared caches only): both blocks use the row's own-token max + ANCHOR_OFFSET, so the
+    cache block's scores are never reduced for a max and XLA:CPU streams them straight into exp
+    (~10 % of a row readout). The result is the same softmax; it only fails where a cached score
+    exceeds every own-token score by more than ~137, and then it fails loudly: exp overflows and the
+    row's outputs become NaN. Callers check for non-finite results and rerun exact.
     """
     B, T, H, D = q_BTHD.shape
     K = k_BTKD.shape[2]
@@ -100,36 +127,50 @@ def attend(q_BTHD, k_BTKD, v_BTKD, valid_BT, cache_k_BKDS, cache_v_BKSD, cache_v
     mask_new_BRT = jnp.tile(jnp.tril(jnp.ones((T, T), bool)), (G, 1))[None] & valid_BT[:, None, :]
     has_cache = cache_k_BKDS is not None
     shared = has_cache and cache_k_BKDS.shape[0] == 1 and B > 1
+    anchored = anchored and shared
+    # Masks enter as additive biases (0 or _MASKED) on the scores: a select over the scores made
+    # XLA:CPU materialise a masked copy of them. A row that sees anything gives masked slots exactly
+    # zero weight; a padding row that sees nothing gets finite weights (it is never read).
+    bias_new_BRT = jnp.where(mask_new_BRT, 0.0, _MASKED).astype(f32)
     if has_cache:
-        mask_cache_B1S = cache_valid_BS[:, None, :]
         ck_BKDS, cv_BKSD = cache_k_BKDS.astype(dt), cache_v_BKSD.astype(dt)
+        bias_cache_B1S = jnp.where(cache_valid_BS[:, None, :], 0.0, _MASKED).astype(f32)
+        if shared:
+            bias_cache_S = _materialize(bias_cache_B1S[0, 0])
 
-    # Per score block: the masked max, then one pass that exponentiates, masks and casts to `dtype`
-    # for the value product (the denominator sums exactly the weights used). A query row with
-    # nothing visible gets all-zero weights (denominator clamped), never NaN.
+    def weights(s, m):  # `dtype` weights for the value product, and their exact fp32 sum
+        p = jnp.exp(s - m).astype(dt)
+        return p, p.astype(f32).sum(axis=-1, keepdims=True)
+
     outs = []
     for h in range(K):
         q_BRD = q_BKRD[:, h]
-        s_new = jnp.einsum("brd,bdt->brt", q_BRD, k_BKDT[:, h], preferred_element_type=f32)
-        m = jnp.where(mask_new_BRT, s_new, _MASKED).max(axis=-1, keepdims=True)
-        if has_cache:
-            if shared:
-                s_cache = jnp.dot(q_BRD.reshape(B * R, D), ck_BKDS[0, h], preferred_element_type=f32).reshape(B, R, -1)
-            else:
-                s_cache = jnp.einsum("brd,bds->brs", q_BRD, ck_BKDS[:, h], preferred_element_type=f32)
-            m = jnp.maximum(m, jnp.where(mask_cache_B1S, s_cache, _MASKED).max(axis=-1, keepdims=True))
-        p_new = jnp.where(mask_new_BRT, jnp.exp(s_new - m), 0.0).astype(dt)
-        denom = p_new.astype(f32).sum(axis=-1, keepdims=True)
-        out_BRD = jnp.einsum("brt,btd->brd", p_new, v_BKTD[:, h], preferred_element_type=f32)
-        if has_cache:
-            p_cache = jnp.where(mask_cache_B1S, jnp.exp(s_cache - m), 0.0).astype(dt)
-            denom = denom + p_cache.astype(f32).sum(axis=-1, keepdims=True)
-            if shared:
-                out_BRD = out_BRD + jnp.dot(p_cache.reshape(B * R, -1), cv_BKSD[0, h],
-                                            preferred_element_type=f32).reshape(B, R, D)
-            else:
-                out_BRD = out_BRD + jnp.einsum("brs,bsd->brd", p_cache, cv_BKSD[:, h], preferred_element_type=f32)
-        outs.append(out_BRD / jnp.maximum(denom, 1e-30))
+        s_n = jnp.einsum("brd,bdt->brt", q_BRD, k_BKDT[:, h], preferred_element_type=f32) + bias_new_BRT
+        m_n = s_n.max(axis=-1, keepdims=True)
+        if anchored:  # (a padding row that sees none of its own tokens anchors at 0: finite, unread)
+            m_n = jnp.where(m_n > _MASKED / 2, m_n, 0.0) + ANCHOR_OFFSET
+        p_n, d_n = weights(s_n, m_n)
+        o_n = jnp.einsum("brt,btd->brd", p_n, v_BKTD[:, h], preferred_element_type=f32)
+        if not has_cache:
+            outs.append(o_n / d_n)
+            continue
+        if shared:  # [B*R, D] x [D, S], kept 2-D through the value product
+            s_c = jnp.dot(q_BRD.reshape(B * R, D), ck_BKDS[0, h], preferred_element_type=f32) + bias_cache_S
+            m_c = m_n.reshape(B * R, 1) if anchored else s_c.max(axis=-1, keepdims=True)
+            p_c, d_c = weights(s_c, m_c)
+            o_c = jnp.dot(p_c, cv_BKSD[0, h], preferred_element_type=f32).reshape(B, R, D)
+            m_c, d_c = m_c.reshape(B, R, 1), d_c.reshape(B, R, 1)
+        else:
+            s_c = jnp.einsum("brd,bds->brs", q_BRD, ck_BKDS[:, h], preferred_element_type=f32) + bias_cache_B1S
+            m_c = s_c.max(axis=-1, keepdims=True)
+            p_c, d_c = weights(s_c, m_c)
+            o_c = jnp.einsum("brs,bsd->brd", p_c, cv_BKSD[:, h], preferred_element_type=f32)
+        if anchored:
+            outs.append((o_n + o_c) / (d_n + d_c))
+            continue
+        m = jnp.maximum(m_n, m_c)
+        a_n, a_c = jnp.exp(m_n - m), jnp.exp(m_c - m)
+        outs.append((o_n * a_n + o_c * a_c) / (d_n * a_n + d_c * a_c))
     out_BKRD = jnp.stack(outs, axis=1)
     return out_BKRD.reshape(B, K, G, T, D).transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
 
@@ -172,7 +213,8 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(head_dim, eps, zero_centered=zc, dtype=dtype)
         self.qk_norm = qk_norm
 
-    def __call__(self, x_BTE, cos, sin, valid_BT, layer_cache, cache_valid_BS, offset, update_cache=True):
+    def __call__(self, x_BTE, cos, sin, valid_BT, layer_cache, cache_valid_BS, offset, update_cache=True,
+                 anchored=False):
         B, T, _ = x_BTE.shape
         H, K, D = self.num_heads, self.num_kv_heads, self.head_dim
         q = self.q_proj(x_BTE)
@@ -190,7 +232,7 @@ class Attention(nnx.Module):
         if layer_cache is not None:
             ck, cv = layer_cache["k"], layer_cache["v"]
         out = attend(q_BTHD, k_BTKD, v_BTKD, valid_BT, ck, cv, cache_valid_BS, D**-0.5,
-                     dtype=self.o_proj.kernel.dtype).reshape(B, T, H * D)
+                     dtype=self.o_proj.kernel.dtype, anchored=anchored).reshape(B, T, H * D)
         if gate_BTX is not None:
             out = out * jax.nn.sigmoid(gate_BTX)
         k_BKDT, v_BKTD = k_BTKD.transpose(0, 2, 3, 1), v_BTKD.transpose(0, 2, 1, 3)

@@ -263,7 +263,8 @@ class Qwen3_5Layer(nnx.Module):
             h, new_cache = self.linear_attn(h, ctx["valid"], layer_cache)
         else:
             h, new_cache = self.self_attn(h, ctx["cos"], ctx["sin"], ctx["valid"], layer_cache,
-                                          ctx["cache_valid"], ctx["offset"], ctx["update_cache"])
+                                          ctx["cache_valid"], ctx["offset"], ctx["update_cache"],
+                                      ctx["anchored_softmax"])
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), new_cache
 

@@ -14,6 +14,7 @@ import collections
 import dataclasses
 import functools
 import math
+import os
 import threading
 from pathlib import Path
 
@@ -29,6 +30,9 @@ from lev_jax.models import cache as cache_lib
 
 MAX_STATE_PLUS_QUESTION_TOKENS = 32768
 MAX_REQUEST_TOKENS = 65536
+# Question headers shared by a readout's rows become a cache segment when that saves at least this
+# many row tokens (and a tenth of them): below it the extra device call costs more than it saves.
+MIN_SEGMENT_SAVING = 64
 CHOICE_OPTIONS = (2, 255)
 SCORE_LEVELS = (2, 10)
 QUESTION_TYPES = ("choice", "score", "noul")
@@ -47,6 +51,24 @@ def _read_rows(params, cache, prefix_B, tokens_BT, valid_BT, answer_B, label_ids
     return models.label_logits(params, hidden_BRE[:, 0], label_ids_BC, cfg)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "anchored"))
+def _read_segment_rows(params, cache, segment_B, tokens_BT, valid_BT, answer_B, label_ids_BC, cfg, anchored=True):
+    """`_read_rows` for rows that continue a segment cache: row b reads segment `segment_B[b]`."""
+    return _read_rows.__wrapped__(params, cache_lib.select_rows(cache, segment_B), None, tokens_BT, valid_BT,
+                                  answer_B, label_ids_BC, cfg, anchored)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "anchored"))
+def _segments(params, cache, tokens_BT, valid_BT, cfg, anchored=True):
+    """(segment cache, finite): B question headers continuing a shared prefix, kept per row; `finite`
+    is False where the anchored softmax could not serve them (then: rerun exact)."""
+    readout = jnp.zeros((tokens_BT.shape[0], 1), jnp.int32)  # the hidden state is not needed; keep it small
+    _, seg = models.forward(params, tokens_BT, cache, cfg, valid_BT=valid_BT, readout_BR=readout,
+                            update_cache="segment", anchored_softmax=anchored)
+    rows = [x for layer in seg["layers"] for k, x in layer.items() if k in cache_lib.SEGMENT_ROW_KEYS]
+    return seg, jnp.all(jnp.stack([jnp.isfinite(x).all() for x in rows]))
+
+
 @dataclasses.dataclass
 class _Usage:
     processed: int = 0  # tokens that went through the model (state prefix once, every row)
@@ -61,6 +83,18 @@ class _Usage:
 class _Row:
     tokens: list[int]  # the row's suffix; the answer is read after its last token
     label_ids: list[int]  # head rows to read, one per code
+    header: int = 0  # leading tokens the row shares with the other rows of its readout (option orders)
+
+
+def _share_header(rows: list[_Row]) -> list[_Row]:
+    """Mark the token prefix a readout's rows have in common (a question's text before its options):
+    it can be computed once for all of them (a cache segment) instead of once per row."""
+    if len(rows) > 1:
+        n = len(os.path.commonprefix([r.tokens for r in rows]))
+        n = min(n, min(len(r.tokens) for r in rows) - 1)  # every row keeps its answer position
+        for r in rows:
+            r.header = n
+    return rows
 
 
 @dataclasses.dataclass
@@ -206,7 +240,7 @@ class Engine:
             text = prompt.choice_text(q["instructions"], [options[i] for i in order], [c for c, _ in codes])
             rows.append(self._row(state_text, text, [t for _, t in codes]))
             maps.append([pos[i] for i in order])
-        return _Readout("choice", labels.LETTER, len(idx), rows, maps)
+        return _Readout("choice", labels.LETTER, len(idx), _share_header(rows), maps)
 
     def _readouts(self, state_text, q):
         """Round-1 readouts of a question and, for choices beyond the code capacity, its groups."""
@@ -232,7 +266,7 @@ class Engine:
         orders = [labels.YES_NO] + ([labels.YES_NO[::-1]] if self.option_averaging else [])
         rows = [self._row(state_text, prompt.noul_binary_text(q["instructions"], criteria, o),
                           [t for _, t in self.yes_no], self.yes_no_lead) for o in orders]
-        return [_Readout("noul", labels.BINARY, 2, rows, [[0, 1]] * len(rows))], None
+        return [_Readout("noul", labels.BINARY, 2, _share_header(rows), [[0, 1]] * len(rows))], None
 
     def _plan(self, state, questions) -> Plan:
         if not isinstance(state, (str, dict, list)):
@@ -306,6 +340,38 @@ class Engine:
         return [(g, buckets.fit(len(g), buckets.ROWS, "rows"), suffix(g),
                  buckets.fit(max(len(rows[i].label_ids) for i in g), buckets.CODES, "label codes")) for g in groups]
 
+    def _segment_plan(self, rows: list[_Row]):
+        """(headers, each row's header index, the rows without their headers) when computing every
+        distinct question header once, as a cache segment both option orders continue, saves enough
+        row tokens to pay for its extra device call; else None."""
+        headers, index, seg_of_row, rest = [], {}, [], []
+        for r in rows:
+            key = tuple(r.tokens[: r.header])
+            if key not in index:
+                index[key] = len(headers)
+                headers.append(list(key))
+            seg_of_row.append(index[key])
+            rest.append(_Row(r.tokens[r.header :], r.label_ids))
+        total = sum(len(r.tokens) for r in rows)
+        saved = total - sum(map(len, headers)) - sum(len(r.tokens) for r in rest)
+        if saved < max(MIN_SEGMENT_SAVING, total // 10):
+            return None
+        return headers, seg_of_row, rest
+
+    def _segment_calls(self, headers: list[list[int]]) -> tuple[int, list[tuple[list[int], int]]]:
+        """(segment length bucket, calls of (header indices, rows bucket)): every header padded to one
+        length, so all segments stack into one cache; calls sized like row calls."""
+        sg = buckets.fit(max(1, max(map(len, headers))), buckets.SUFFIX, "question header length")
+        cap = buckets.row_tokens_per_call(self.platform)
+        n_calls = 1
+        while True:
+            size = math.ceil(len(headers) / n_calls)
+            if size == 1 or buckets.fit(size, buckets.ROWS, "rows") * sg <= cap:
+                break
+            n_calls += 1
+        calls = [list(range(j, min(j + size, len(headers)))) for j in range(0, len(headers), size)]
+        return sg, [(c, buckets.fit(len(c), buckets.ROWS, "rows")) for c in calls]
+
     def programs(self, state, questions) -> set[tuple]:
         """The device programs (shape-bucket keys) a request's first round needs; a request whose
         keys were all seen before compiles nothing."""
@@ -314,7 +380,13 @@ class Engine:
         p = len(plan.prefix_ids)
         pb = buckets.fit(p, buckets.PREFIX[1:], "prefix length") if p else 0
         keys = {("prefill", pb)} if pb else set()
-        return keys | {("rows", pb, b, t, c) for _, b, t, c in self._calls(rows)}
+        seg = self._segment_plan(rows) if pb else None
+        if seg is None:
+            return keys | {("rows", pb, b, t, c) for _, b, t, c in self._calls(rows)}
+        headers, _, rest = seg
+        sg, calls = self._segment_calls(headers)
+        return (keys | {("segment", pb, b, sg) for _, b in calls}
+                | {("rows", pb, sg, b, t, c) for _, b, t, c in self._calls(rest)})
 
     def _read_many(self, entries, usages) -> list[list[np.ndarray]]:
         """Label logits for every row of every (prefix_ids, rows) entry: each prefix computed once
@@ -347,29 +419,61 @@ class Engine:
         return self._read_many([(prefix_ids, rows)], [_Usage()])[0]
 
     def _read_rows(self, cache, rows: list[_Row], prefix_of_row) -> list[np.ndarray]:
+        seg = self._segment_plan(rows) if prefix_of_row is None and cache is not None else None
+        if seg is None:
+            return self._read_calls(cache, rows, prefix_of_row=prefix_of_row)
+        headers, seg_of_row, rest = seg
+        seg_cache, where = self._compute_segments(cache, headers)
+        return self._read_calls(seg_cache, rest, segment_of_row=[where[h] for h in seg_of_row])
+
+    def _compute_segments(self, cache, headers: list[list[int]]):
+        """(segment cache of every header after the shared prefix, header index -> its cache row)."""
+        bb = self.backbone
+        sg, calls = self._segment_calls(headers)
+        parts, where = [], {}
+        for idx, bsz in calls:
+            tokens = np.zeros((bsz, sg), np.int32)
+            valid = np.zeros((bsz, sg), bool)
+            for j, h in enumerate(idx):
+                tokens[j, : len(headers[h])], valid[j, : len(headers[h])] = headers[h], True
+                where[h] = sum(p["seg_valid"].shape[0] for p in parts) + j
+            args = (bb.params, cache, jnp.asarray(tokens), jnp.asarray(valid), bb.config)
+            part, finite = _segments(*args)
+            if not bool(finite):  # the anchored softmax could not serve a header (layers.attend)
+                self.exact_reruns += 1
+                part, _ = _segments(*args, anchored=False)
+            parts.append(part)
+        return cache_lib.concat_segments(parts), where
+
+    def _read_calls(self, cache, rows: list[_Row], *, prefix_of_row=None, segment_of_row=None) -> list[np.ndarray]:
+        """Label logits of `rows` in bucketed batched calls. Each row continues `cache` (a shared
+        prefix), its request's prefix in a stacked cache (`prefix_of_row`), or its header's segment
+        (`segment_of_row`)."""
         out: list[np.ndarray | None] = [None] * len(rows)
         bb = self.backbone
+        per_row = prefix_of_row if segment_of_row is None else segment_of_row
         for call, bsz, tb, cb in self._calls(rows):
             tokens = np.zeros((bsz, tb), np.int32)
             valid = np.zeros((bsz, tb), bool)
             answer = np.zeros((bsz,), np.int32)
             ids = np.zeros((bsz, cb), np.int32)
-            prefix = None if prefix_of_row is None else np.zeros((bsz,), np.int32)
+            which = None if per_row is None else np.zeros((bsz,), np.int32)
             for j, i in enumerate(call):
                 r = rows[i]
                 tokens[j, : len(r.tokens)], valid[j, : len(r.tokens)] = r.tokens, True
                 answer[j] = len(r.tokens) - 1
                 ids[j, : len(r.label_ids)] = r.label_ids
-                if prefix is not None:
-                    prefix[j] = prefix_of_row[i]
-            args = (bb.params, cache, None if prefix is None else jnp.asarray(prefix), jnp.asarray(tokens),
+                if which is not None:
+                    which[j] = per_row[i]
+            fn = _read_rows if segment_of_row is None else _read_segment_rows
+            args = (bb.params, cache, None if which is None else jnp.asarray(which), jnp.asarray(tokens),
                     jnp.asarray(valid), jnp.asarray(answer), jnp.asarray(ids), bb.config)
-            logits = np.asarray(_read_rows(*args))
+            logits = np.asarray(fn(*args))
             if not np.isfinite(logits[: len(call)]).all():
                 # the anchored softmax met a cached score far above a row's own ones (layers.attend):
                 # the exact stabiliser, for this call only
                 self.exact_reruns += 1
-                logits = np.asarray(_read_rows(*args, anchored=False))
+                logits = np.asarray(fn(*args, anchored=False))
             for j, i in enumerate(call):
                 out[i] = logits[j, : len(rows[i].label_ids)]
         return out
@@ -485,7 +589,8 @@ class Engine:
         """Device programs compiled so far (prefill chunks + row readouts)."""
         from lev_jax import backbone as backbone_lib
 
-        return _read_rows._cache_size() + backbone_lib._extend._cache_size()
+        return (_read_rows._cache_size() + _read_segment_rows._cache_size() + _segments._cache_size()
+                + backbone_lib._extend._cache_size())
 
     def info(self) -> dict:
         return {

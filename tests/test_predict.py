@@ -25,6 +25,13 @@ def _questions():
     }
 
 
+def _many_questions(n):
+    """n variants of every question in _questions(): enough shared question headers (the text before
+    the options, common to both option orders) that the engine computes them as cache segments."""
+    return {f"{k}{i}": {**v, "instructions": f"{v['instructions']} (variant {i})"}
+            for i in range(n) for k, v in _questions().items()}
+
+
 def _assert_close(a, b, tol=1e-5):
     assert a.keys() == b.keys()
     for qid in a:
@@ -71,6 +78,9 @@ def test_equals_reference_on_the_embedded_model():
     qs = _questions()
     fast = engine.predict(STATE, qs)
     _assert_close(fast, engine.predict(STATE, qs, reference=True))
+    many = _many_questions(3)  # question headers as cache segments
+    assert any(k[0] == "segment" for k in engine.programs(STATE, many))
+    _assert_close(engine.predict(STATE, many), engine.predict(STATE, many, reference=True))
     rating = lev_jax.Engine(engine.backbone, noul_readout="rating", prompt_style="plain")
     _assert_close(rating.predict("The sky is green.", {"true": qs["vip"]}),
                   rating.predict("The sky is green.", {"true": qs["vip"]}, reference=True))
@@ -270,17 +280,40 @@ def test_rows_are_split_into_even_calls_within_the_per_call_budget(tiny, monkeyp
     _assert_close(tiny.predict("facts", qs), whole)
 
 
-def test_rows_the_anchored_softmax_cannot_serve_are_rerun_exactly():
+@pytest.mark.parametrize("variants", [0, 4])
+def test_rows_the_anchored_softmax_cannot_serve_are_rerun_exactly(variants):
     """Attention logits in the thousands (q and k projections scaled up): the fast readout's anchored
-    softmax overflows on some rows; the engine sees the NaN, reruns that call with the exact
-    stabiliser, and the answers still equal independent full forwards."""
+    softmax overflows on some rows (and, with shared headers, in the header segments); the engine
+    sees the NaN, reruns those calls with the exact stabiliser, and the answers still equal
+    independent full forwards."""
     import jax
 
     bb = tiny_backbone("llama", seed=1)
     scale = lambda path, x: x * 12.0 if any(getattr(p, "key", None) in ("q_proj", "k_proj") for p in path) else x
     bb.params = jax.tree_util.tree_map_with_path(scale, bb.params)
     engine = lev_jax.Engine(bb)
-    fast = engine.predict(STATE, _questions())
+    qs = _many_questions(variants) if variants else _questions()
+    assert any(k[0] == "segment" for k in engine.programs(STATE, qs)) == bool(variants)
+    fast = engine.predict(STATE, qs)
     assert engine.exact_reruns > 0
     _check_well_formed(fast)
-    _assert_close(fast, engine.predict(STATE, _questions(), reference=True), tol=1e-4)
+    _assert_close(fast, engine.predict(STATE, qs, reference=True), tol=1e-4)
+
+
+@pytest.mark.parametrize("engine_name,tol", [("tiny", 1e-5), ("tiny_qwen", 5e-5)])
+def test_shared_question_headers_equal_independent_full_forwards(engine_name, tol, request, monkeypatch):
+    """Each question's header is computed once as a cache segment that both option orders continue
+    (several header calls and row calls here: a small per-call budget), and the answers equal one
+    independent full forward per row. (Tiny Qwen3.5 at 5e-5: its fp32 rounding moves with where a
+    sequence is split into cached pieces; without segments it is 1.9e-5 off on these questions.)"""
+    engine = request.getfixturevalue(engine_name)
+    qs = _many_questions(4)
+    keys = engine.programs(STATE, qs)
+    assert any(k[0] == "segment" for k in keys)
+    fast = engine.predict(STATE, qs)
+    _check_well_formed(fast)
+    _assert_close(fast, engine.predict(STATE, qs, reference=True), tol=tol)
+    monkeypatch.setitem(buckets.ROW_TOKENS_PER_CALL, engine.platform, 160)
+    keys = engine.programs(STATE, qs)
+    assert sum(k[0] == "segment" for k in keys) >= 1 and sum(k[0] == "rows" for k in keys) >= 2
+    _assert_close(engine.predict(STATE, qs), fast, tol=tol)

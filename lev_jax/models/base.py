@@ -29,6 +29,8 @@ class CausalLM(nnx.Module):
         is the final-normed state at `readout_BR` ([B, R, E], indices into the T new tokens) or at
         every new token ([B, T, E]). With `update_cache=False` nothing is written (new_cache is None):
         a readout over a shared prefix never needs B copies of it, nor room in its buffer.
+        `update_cache="segment"`: the new tokens become a per-row second cache level over a shared
+        `cache` (cache.with_segment), which later rows read without copying the shared part.
         `anchored_softmax`: attention against a shared cache uses the faster anchored stabiliser
         (layers.attend); a row it cannot serve comes out NaN and must be rerun without it."""
         B, T = tokens_BT.shape
@@ -42,6 +44,7 @@ class CausalLM(nnx.Module):
             "cache_valid": None if cache is None else cache["valid"],
             "offset": None if cache is None else cache["offset"],
             "update_cache": update_cache, "anchored_softmax": anchored_softmax,
+            "seg_valid": None if cache is None else cache.get("seg_valid"),
         }
         x = self.embed_tokens(tokens_BT).astype(jnp.float32)  # the residual stream is fp32 (layers.py)
         new_layers = []
@@ -50,7 +53,10 @@ class CausalLM(nnx.Module):
             new_layers.append(layer_cache)
         if readout_BR is not None:  # the final norm (and later the head) only where a readout needs it
             x = jnp.take_along_axis(x, readout_BR[..., None].astype(jnp.int32), axis=1)
-        new_cache = cache_lib.advance(cache, B, valid_BT, tuple(new_layers)) if update_cache else None
+        if update_cache == "segment":
+            new_cache = cache_lib.with_segment(cache, valid_BT, tuple(new_layers))
+        else:
+            new_cache = cache_lib.advance(cache, B, valid_BT, tuple(new_layers)) if update_cache else None
         return self.norm(x), new_cache
 
     def head(self, hidden_BRE, token_ids=None):

@@ -11,6 +11,12 @@
 
 A cache with Bc = 1 can be extended by B > 1 rows directly: attention reads the shared prefix in
 place and DeltaNet states broadcast, so forking costs nothing until a row's slots are written.
+
+A segment is a second, per-row level over a shared 1-row cache (`with_segment`): the question header
+that both option orders of a question continue. Attention layers keep the shared "k"/"v" and add
+"seg_k" [B, K, D, Sg] / "seg_v" [B, K, Sg, D]; DeltaNet layers hold their state after the segment;
+"seg_valid" [B, Sg] marks real segment tokens and "pos" counts prefix + segment. Rows continuing a
+segment read it (`select_rows` picks each row's) and never write it.
 """
 from __future__ import annotations
 
@@ -76,3 +82,33 @@ def advance(cache: dict | None, batch: int, valid_BT, layers: tuple) -> dict:
     valid = write_slots(cache["valid"], valid_BT, cache["offset"], batch)
     pos = jnp.broadcast_to(cache["pos"], (batch,)) + valid_BT.sum(axis=1).astype(jnp.int32)
     return {"offset": cache["offset"] + valid_BT.shape[1], "valid": valid, "pos": pos, "layers": tuple(layers)}
+
+
+SEGMENT_ROW_KEYS = ("seg_k", "seg_v", "conv", "state")  # per-row entries of a segment cache's layers
+
+
+def with_segment(cache: dict, valid_BT, layers: tuple) -> dict:
+    """The shared `cache` plus B rows of T segment tokens (layers already computed by the model)."""
+    B = valid_BT.shape[0]
+    pos = jnp.broadcast_to(cache["pos"], (B,)) + valid_BT.sum(axis=1).astype(jnp.int32)
+    return {"offset": cache["offset"], "valid": cache["valid"], "pos": pos, "seg_valid": valid_BT,
+            "layers": tuple(layers)}
+
+
+def select_rows(cache: dict, rows_B) -> dict:
+    """Each of B rows' own segment out of a segment cache (shared entries stay shared)."""
+    take = lambda x: jnp.take(x, rows_B, axis=0)
+    layers = tuple({k: take(v) if k in SEGMENT_ROW_KEYS else v for k, v in layer.items()} for layer in cache["layers"])
+    return {**cache, "pos": take(cache["pos"]), "seg_valid": take(cache["seg_valid"]), "layers": layers}
+
+
+def concat_segments(parts: list[dict]) -> dict:
+    """Segment caches of several calls over the same shared cache, as one (rows stacked in order)."""
+    if len(parts) == 1:
+        return parts[0]
+    cat = lambda *xs: jnp.concatenate(xs, axis=0)
+    first = parts[0]
+    layers = tuple({k: cat(*(p["layers"][i][k] for p in parts)) if k in SEGMENT_ROW_KEYS else v
+                    for k, v in layer.items()} for i, layer in enumerate(first["layers"]))
+    return {**first, "pos": cat(*(p["pos"] for p in parts)), "seg_valid": cat(*(p["seg_valid"] for p in parts)),
+            "layers": layers}

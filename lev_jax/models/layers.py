@@ -96,8 +96,11 @@ ANCHOR_OFFSET = 87 * math.log(2)
 
 
 def attend(q_BTHD, k_BTKD, v_BTKD, valid_BT, cache_k_BKDS, cache_v_BKSD, cache_valid_BS, scale: float,
-           dtype=None, anchored: bool = False):
+           dtype=None, anchored: bool = False, segment=None):
     """Causal GQA attention of T new queries over (cached slots, then the T new keys).
+
+    `segment` (k [B, K, D, Sg], v [B, K, Sg, D], valid [B, Sg]): a second cache level between a shared
+    cache and the new tokens, one per row (the question header two option orders share).
 
     The cache may hold 1 row shared by all B query rows (a forked prefix, read in place and never
     copied) or B rows. Cached slots are visible where `cache_valid_BS`; new keys where causal and
@@ -132,11 +135,15 @@ def attend(q_BTHD, k_BTKD, v_BTKD, valid_BT, cache_k_BKDS, cache_v_BKSD, cache_v
     # XLA:CPU materialise a masked copy of them. A row that sees anything gives masked slots exactly
     # zero weight; a padding row that sees nothing gets finite weights (it is never read).
     bias_new_BRT = jnp.where(mask_new_BRT, 0.0, _MASKED).astype(f32)
+    blocks = []  # cached blocks: (keys, values, bias, shared by every row)
     if has_cache:
-        ck_BKDS, cv_BKSD = cache_k_BKDS.astype(dt), cache_v_BKSD.astype(dt)
         bias_cache_B1S = jnp.where(cache_valid_BS[:, None, :], 0.0, _MASKED).astype(f32)
-        if shared:
-            bias_cache_S = _materialize(bias_cache_B1S[0, 0])
+        blocks.append((cache_k_BKDS.astype(dt), cache_v_BKSD.astype(dt),
+                       _materialize(bias_cache_B1S[0, 0]) if shared else bias_cache_B1S, shared))
+    if segment is not None:
+        seg_k, seg_v, seg_valid_BS = segment
+        blocks.append((seg_k.astype(dt), seg_v.astype(dt),
+                       jnp.where(seg_valid_BS[:, None, :], 0.0, _MASKED).astype(f32), False))
 
     def weights(s, m):  # `dtype` weights for the value product, and their exact fp32 sum
         p = jnp.exp(s - m).astype(dt)
@@ -150,27 +157,27 @@ def attend(q_BTHD, k_BTKD, v_BTKD, valid_BT, cache_k_BKDS, cache_v_BKSD, cache_v
         if anchored:  # (a padding row that sees none of its own tokens anchors at 0: finite, unread)
             m_n = jnp.where(m_n > _MASKED / 2, m_n, 0.0) + ANCHOR_OFFSET
         p_n, d_n = weights(s_n, m_n)
-        o_n = jnp.einsum("brt,btd->brd", p_n, v_BKTD[:, h], preferred_element_type=f32)
-        if not has_cache:
-            outs.append(o_n / d_n)
+        parts = [(m_n, d_n, jnp.einsum("brt,btd->brd", p_n, v_BKTD[:, h], preferred_element_type=f32))]
+        for ck, cv, bias, one_row in blocks:
+            if one_row:  # [B*R, D] x [D, S], kept 2-D through the value product
+                s_c = jnp.dot(q_BRD.reshape(B * R, D), ck[0, h], preferred_element_type=f32) + bias
+                m_c = m_n.reshape(B * R, 1) if anchored else s_c.max(axis=-1, keepdims=True)
+                p_c, d_c = weights(s_c, m_c)
+                o_c = jnp.dot(p_c, cv[0, h], preferred_element_type=f32).reshape(B, R, D)
+                parts.append((m_c.reshape(B, R, 1), d_c.reshape(B, R, 1), o_c))
+            else:
+                s_c = jnp.einsum("brd,bds->brs", q_BRD, ck[:, h], preferred_element_type=f32) + bias
+                m_c = m_n if anchored else s_c.max(axis=-1, keepdims=True)
+                p_c, d_c = weights(s_c, m_c)
+                parts.append((m_c, d_c, jnp.einsum("brs,bsd->brd", p_c, cv[:, h], preferred_element_type=f32)))
+        if anchored:  # one stabiliser for every block: plain sums
+            outs.append(sum(o for _, _, o in parts) / sum(d for _, d, _ in parts))
             continue
-        if shared:  # [B*R, D] x [D, S], kept 2-D through the value product
-            s_c = jnp.dot(q_BRD.reshape(B * R, D), ck_BKDS[0, h], preferred_element_type=f32) + bias_cache_S
-            m_c = m_n.reshape(B * R, 1) if anchored else s_c.max(axis=-1, keepdims=True)
-            p_c, d_c = weights(s_c, m_c)
-            o_c = jnp.dot(p_c, cv_BKSD[0, h], preferred_element_type=f32).reshape(B, R, D)
-            m_c, d_c = m_c.reshape(B, R, 1), d_c.reshape(B, R, 1)
-        else:
-            s_c = jnp.einsum("brd,bds->brs", q_BRD, ck_BKDS[:, h], preferred_element_type=f32) + bias_cache_B1S
-            m_c = s_c.max(axis=-1, keepdims=True)
-            p_c, d_c = weights(s_c, m_c)
-            o_c = jnp.einsum("brs,bsd->brd", p_c, cv_BKSD[:, h], preferred_element_type=f32)
-        if anchored:
-            outs.append((o_n + o_c) / (d_n + d_c))
-            continue
-        m = jnp.maximum(m_n, m_c)
-        a_n, a_c = jnp.exp(m_n - m), jnp.exp(m_c - m)
-        outs.append((o_n * a_n + o_c * a_c) / (d_n * a_n + d_c * a_c))
+        m = parts[0][0]
+        for m_i, _, _ in parts[1:]:
+            m = jnp.maximum(m, m_i)
+        scaled = [(jnp.exp(m_i - m), d_i, o_i) for m_i, d_i, o_i in parts]
+        outs.append(sum(o * a for a, _, o in scaled) / sum(d * a for a, d, _ in scaled))
     out_BKRD = jnp.stack(outs, axis=1)
     return out_BKRD.reshape(B, K, G, T, D).transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
 
@@ -214,7 +221,10 @@ class Attention(nnx.Module):
         self.qk_norm = qk_norm
 
     def __call__(self, x_BTE, cos, sin, valid_BT, layer_cache, cache_valid_BS, offset, update_cache=True,
-                 anchored=False):
+                 anchored=False, seg_valid_BS=None):
+        """`update_cache`: True (write the new slots into the cache), False (write nothing) or
+        "segment" (keep the cache as it is and return the new keys/values beside it, per row: a
+        second cache level that rows continuing these tokens read with `seg_valid_BS`)."""
         B, T, _ = x_BTE.shape
         H, K, D = self.num_heads, self.num_kv_heads, self.head_dim
         q = self.q_proj(x_BTE)
@@ -228,18 +238,26 @@ class Attention(nnx.Module):
         if self.qk_norm is not None:
             q_BTHD, k_BTKD = self.q_norm(q_BTHD), self.k_norm(k_BTKD)
         q_BTHD, k_BTKD = apply_rope(q_BTHD, cos, sin), apply_rope(k_BTKD, cos, sin)
-        ck = cv = None
+        ck = cv = segment = None
         if layer_cache is not None:
             ck, cv = layer_cache["k"], layer_cache["v"]
+            if "seg_k" in layer_cache:
+                segment = (layer_cache["seg_k"], layer_cache["seg_v"], seg_valid_BS)
         out = attend(q_BTHD, k_BTKD, v_BTKD, valid_BT, ck, cv, cache_valid_BS, D**-0.5,
-                     dtype=self.o_proj.kernel.dtype, anchored=anchored).reshape(B, T, H * D)
+                     dtype=self.o_proj.kernel.dtype, anchored=anchored, segment=segment).reshape(B, T, H * D)
         if gate_BTX is not None:
             out = out * jax.nn.sigmoid(gate_BTX)
         k_BKDT, v_BKTD = k_BTKD.transpose(0, 2, 3, 1), v_BTKD.transpose(0, 2, 1, 3)
+        dt = self.o_proj.kernel.dtype
         if not update_cache:
             new_cache = None
+        elif update_cache == "segment":
+            if layer_cache is None or segment is not None:
+                raise ValueError("a segment continues a cache that has none yet")
+            new_cache = {"k": ck, "v": cv, "seg_k": k_BKDT.astype(dt), "seg_v": v_BKTD.astype(dt)}
+        elif segment is not None:
+            raise ValueError("a cache with a segment is read-only (update_cache=False)")
         elif layer_cache is None:  # a cache of exactly these T slots, in the cache dtype (the weights')
-            dt = self.o_proj.kernel.dtype
             new_cache = {"k": k_BKDT.astype(dt), "v": v_BKTD.astype(dt)}
         else:
             new_cache = {"k": write_slots(ck, k_BKDT, offset, B, axis=3),

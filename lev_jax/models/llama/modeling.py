@@ -90,7 +90,7 @@ class LlamaLayer(nnx.Module):
     def __call__(self, x, ctx, layer_cache):
         h, new_cache = self.self_attn(self.input_layernorm(x), ctx["cos"], ctx["sin"], ctx["valid"], layer_cache,
                                       ctx["cache_valid"], ctx["offset"], ctx["update_cache"],
-                                      ctx["anchored_softmax"])
+                                      ctx["anchored_softmax"], ctx["seg_valid"])
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), new_cache
 

@@ -264,7 +264,7 @@ class Qwen3_5Layer(nnx.Module):
         else:
             h, new_cache = self.self_attn(h, ctx["cos"], ctx["sin"], ctx["valid"], layer_cache,
                                           ctx["cache_valid"], ctx["offset"], ctx["update_cache"],
-                                      ctx["anchored_softmax"])
+                                      ctx["anchored_softmax"], ctx["seg_valid"])
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), new_cache
 

@@ -5,7 +5,9 @@
 A ~330-token state and N 3-option choice questions on the embedded SmolLM2-135M-Instruct. Every
 method reads the same token rows predict() plans (option-order averaging included: 2 rows per
 question) and the same label logits:
-  predict  lev-jax: state prefix once, every row in one bucketed batched call, label rows of the head
+  predict  lev-jax: state prefix once, each question's header (the text before its options) once as
+           a cache segment both option orders continue, the rows in bucketed batched calls, label
+           rows of the head
            cold: the prefix is computed in every request (the comparison that counts);
            warm: the same state was asked about before, its prefix comes from the cross-request cache
   naive    transformers: one full forward per row (prefix + row)
@@ -100,12 +102,19 @@ class Torch:
 
 
 def device_flops(engine, plan) -> float:
-    """FLOPs of the padded device work predict() does for a plan (prefill bucket + every row call)."""
+    """FLOPs of the padded device work predict() does for a plan: the prefill bucket, the header
+    segment calls when it shares question headers, and every row call."""
     cfg = engine.backbone.config
     rows = [r for _, _, rs, _ in plan.questions for ro in rs for r in ro.rows]
     pb = buckets.fit(len(plan.prefix_ids), buckets.PREFIX[1:], "prefix")
-    calls = engine._calls(rows)
-    return cfg.flops_per_token(pb / 2) * pb + sum(b * t * cfg.flops_per_token(pb + t / 2) for _, b, t, _ in calls)
+    total = cfg.flops_per_token(pb / 2) * pb
+    seg = engine._segment_plan(rows)
+    sg = 0
+    if seg is not None:
+        headers, _, rows = seg
+        sg, seg_calls = engine._segment_calls(headers)
+        total += sum(b * sg * cfg.flops_per_token(pb + sg / 2) for _, b in seg_calls)
+    return total + sum(b * t * cfg.flops_per_token(pb + sg + t / 2) for _, b, t, _ in engine._calls(rows))
 
 
 def main(argv=None):

@@ -5,7 +5,9 @@
                                                  "criteria": {"refund": None, "delivery": "late parcel"}}})
 
 The state prefix (chat header + state) is prefilled once; every question row (and every option-order
-averaging row) continues from that cache in one batched call, padded to shape buckets. Only the
+averaging row) continues from that cache in batched calls, padded to shape buckets. When it pays,
+each question's header (its text before the options, identical in both option orders) is computed
+once as a per-question cache segment, and the rows continue from their question's segment. Only the
 answer position goes through the vocabulary head, and only the label-token rows of it.
 """
 from __future__ import annotations

@@ -99,9 +99,6 @@ def attend(q_BTHD, k_BTKD, v_BTKD, valid_BT, cache_k_BKDS, cache_v_BKSD, cache_v
            dtype=None, anchored: bool = False, segment=None):
     """Causal GQA attention of T new queries over (cached slots, then the T new keys).
 
-    `segment` (k [B, K, D, Sg], v [B, K, Sg, D], valid [B, Sg]): a second cache level between a shared
-    cache and the new tokens, one per row (the question header two option orders share).
-
     The cache may hold 1 row shared by all B query rows (a forked prefix, read in place and never
     copied) or B rows. Cached slots are visible where `cache_valid_BS`; new keys where causal and
     valid. Per KV head, the G query heads of all T tokens form R = G*T query rows; against a shared
@@ -110,14 +107,18 @@ def attend(q_BTHD, k_BTKD, v_BTKD, valid_BT, cache_k_BKDS, cache_v_BKSD, cache_v
     the same work as 2-D dots, hence the loop over the few KV heads). Products take `dtype` inputs
     (the weights' dtype) and accumulate fp32; softmax statistics are fp32 and the normalisation comes
     after the value product, so the cache block and the new-token block are never concatenated.
+    `segment` (k [B, K, D, Sg], v [B, K, Sg, D], valid [B, Sg]): a second cache level between a shared
+    cache and the new tokens, one per row (the question header both option orders continue), read as
+    a third block.
 
-    Softmax stabiliser. Exact (default): each block (cached slots, new tokens) takes its own max and
-    the blocks are rescaled to the common max after their value products (as in flash attention).
-    `anchored` (shared caches only): both blocks use the row's own-token max + ANCHOR_OFFSET, so the
-    cache block's scores are never reduced for a max and XLA:CPU streams them straight into exp
-    (~10 % of a row readout). The result is the same softmax; it only fails where a cached score
-    exceeds every own-token score by more than ~137, and then it fails loudly: exp overflows and the
-    row's outputs become NaN. Callers check for non-finite results and rerun exact.
+    Softmax stabiliser. Exact (default): each block (cached slots, segment, new tokens) takes its own
+    max and the blocks are rescaled to the common max after their value products (as in flash
+    attention). `anchored` (shared caches only): every block uses the row's own-token max +
+    ANCHOR_OFFSET, so the shared cache block's scores are never reduced for a max and XLA:CPU
+    streams them straight into exp (~10 % of a row readout). The result is the same softmax; it only
+    fails where a cached score exceeds every own-token score by more than ~137, and then it fails
+    loudly: exp overflows and the row's outputs become NaN. Callers check for non-finite results and
+    rerun exact.
     """
     B, T, H, D = q_BTHD.shape
     K = k_BTKD.shape[2]

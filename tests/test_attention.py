@@ -23,8 +23,8 @@ def _inputs(seed, cache_scale=1.0):
 
 
 def _attend(args, anchored, scale=D**-0.5):
-    q, k, v, valid, ck, cv, cache_valid = args
-    return np.asarray(layers.attend(q, k, v, valid, ck, cv, cache_valid, scale, anchored=anchored))
+    fn = jax.jit(layers.attend, static_argnames=("scale", "anchored"))
+    return np.asarray(fn(*args, scale=scale, anchored=anchored))
 
 
 def _dense_reference(args, scale=D**-0.5):

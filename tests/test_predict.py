@@ -78,7 +78,7 @@ def test_equals_reference_on_the_embedded_model():
     qs = _questions()
     fast = engine.predict(STATE, qs)
     _assert_close(fast, engine.predict(STATE, qs, reference=True))
-    many = _many_questions(3)  # question headers as cache segments
+    many = _many_questions(2)  # question headers as cache segments
     assert any(k[0] == "segment" for k in engine.programs(STATE, many))
     _assert_close(engine.predict(STATE, many), engine.predict(STATE, many, reference=True))
     rating = lev_jax.Engine(engine.backbone, noul_readout="rating", prompt_style="plain")

@@ -222,7 +222,7 @@ class Engine:
         self.prefix_cache_bytes = prefix_cache_bytes
         self._prefixes: collections.OrderedDict[tuple, tuple[object, int]] = collections.OrderedDict()
         self._lock = threading.Lock()
-        self.exact_reruns = 0  # row calls the anchored softmax could not serve (see _read_rows)
+        self.exact_reruns = 0  # device calls (rows or headers) the anchored softmax could not serve
 
     # -- planning ------------------------------------------------------------------------------
     def _row(self, state_text: str, question_text: str, label_ids, lead: str = "") -> _Row:

@@ -48,7 +48,7 @@ def bind(params, cfg):
 
 
 def forward(params, tokens_BT, cache, cfg, *, valid_BT=None, positions_BT=None, readout_BR=None,
-            update_cache: bool = True, anchored_softmax: bool = False):
+            update_cache: bool | str = True, anchored_softmax: bool = False):
     """(hidden, new_cache): the final-normed hidden state at `readout_BR` (or every new token)."""
     return bind(params, cfg)(tokens_BT, cache, valid_BT, positions_BT, readout_BR, update_cache, anchored_softmax)
 

@@ -24,7 +24,7 @@ class CausalLM(nnx.Module):
         self.tied = cfg.tie_word_embeddings
 
     def __call__(self, tokens_BT, cache=None, valid_BT=None, positions_BT=None, readout_BR=None,
-                 update_cache: bool = True, anchored_softmax: bool = False):
+                 update_cache: bool | str = True, anchored_softmax: bool = False):
         """Run T new tokens after `cache` (None: no context). Returns (hidden, new_cache) where hidden
         is the final-normed state at `readout_BR` ([B, R, E], indices into the T new tokens) or at
         every new token ([B, T, E]). With `update_cache=False` nothing is written (new_cache is None):

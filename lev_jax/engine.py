@@ -432,13 +432,14 @@ class Engine:
         """(segment cache of every header after the shared prefix, header index -> its cache row)."""
         bb = self.backbone
         sg, calls = self._segment_calls(headers)
-        parts, where = [], {}
+        parts, where, first_row = [], {}, 0
         for idx, bsz in calls:
             tokens = np.zeros((bsz, sg), np.int32)
             valid = np.zeros((bsz, sg), bool)
             for j, h in enumerate(idx):
                 tokens[j, : len(headers[h])], valid[j, : len(headers[h])] = headers[h], True
-                where[h] = sum(p["seg_valid"].shape[0] for p in parts) + j
+                where[h] = first_row + j
+            first_row += bsz
             args = (bb.params, cache, jnp.asarray(tokens), jnp.asarray(valid), bb.config)
             part, finite = _segments(*args)
             if not bool(finite):  # the anchored softmax could not serve a header (layers.attend)

@@ -1,0 +1,53 @@
+"""The domain vocabulary: question types, their limits, readout modes, rating codes, option-count
+bands and token budgets. Defined here once; the engine, the wire, calibration, the data pipeline
+and training import them from here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# -- question types and their limits ---------------------------------------------------------------
+CHOICE, SCORE, NOUL = "choice", "score", "noul"
+QUESTION_TYPES = (CHOICE, SCORE, NOUL)
+CHOICE_OPTIONS = (2, 255)  # (fewest, most) options of a choice question
+SCORE_LEVELS = (2, 10)  # (fewest, most) levels of a score question
+# noul criteria as the Jev wire sends them ({"true": ..., "false": ...}); "yes"/"no" are accepted aliases
+NOUL_CRITERIA = ("true", "false")
+NOUL_CRITERIA_ALIASES = {"yes": "true", "no": "false"}
+
+# -- readout modes ---------------------------------------------------------------------------------
+LETTER = "letter"  # one letter code per option / level (choice, score)
+BINARY = "binary"  # noul read as [Yes, No]
+RATING = "rating"  # noul read as a 0..8 rating; P(yes) is its expectation / 8
+READOUT_MODES = (LETTER, BINARY, RATING)
+NOUL_READOUTS = (BINARY, RATING)
+
+YES_NO = ("Yes", "No")  # the binary noul codes, in readout order [yes, no]
+RATING_LEVELS = 9
+RATING_CODES = tuple(str(i) for i in range(RATING_LEVELS))  # "0" (certainly no) .. "8" (certainly yes)
+RATING_NO, RATING_YES = 0, RATING_LEVELS - 1  # the ratings a labelled no / yes trains towards
+RATING_WEIGHTS = np.arange(RATING_LEVELS, dtype=np.float64) / (RATING_LEVELS - 1)  # rating -> P(yes) weight
+RATING_WEIGHTS.setflags(write=False)
+
+# -- option-count bands (calibration buckets, mixture coverage) ------------------------------------
+BANDS = ("small", "mid", "large")
+BAND_RANGES: dict[str, tuple[int, int | None]] = {"small": (2, 8), "mid": (9, 26), "large": (27, None)}
+BANDED_QTYPES = frozenset({CHOICE})  # question types whose temperature is looked up per band
+
+
+def band_of(n_options: int) -> str:
+    """The band of an option count: "small" (<= 8), "mid" (9-26) or "large" (> 26)."""
+    n = int(n_options)
+    if n < 1:
+        raise ValueError(f"n_options must be >= 1, got {n_options}")
+    for band in BANDS:
+        hi = BAND_RANGES[band][1]
+        if hi is None or n <= hi:
+            return band
+    raise AssertionError("the last band is open-ended")
+
+
+# -- token budgets (checked before any device work) ------------------------------------------------
+MAX_STATE_PLUS_QUESTION_TOKENS = 32768  # the state prefix plus the longest question row
+MAX_REQUEST_TOKENS = 65536  # the state once plus every question row

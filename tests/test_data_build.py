@@ -87,7 +87,7 @@ def test_test_split_keeps_the_canonical_question(built):
         if spec.primitive == "choice":
             assert list(q["criteria"].items()) == [(o.key, o.description) for o in spec.options]
         else:
-            assert q["criteria"] == {"yes": spec.yes_no[0], "no": spec.yes_no[1]}
+            assert q["criteria"] == {"true": spec.yes_no[0], "false": spec.yes_no[1]}
 
 
 def test_calibration_varies_option_sets_not_wording(built):
@@ -150,7 +150,7 @@ def test_negation_flips_targets(built):
     assert (plain["target"], negated["target"]) == (8, 0)
     assert negated["question"]["instructions"] in spec.negations
     if negated["question"]["criteria"] is not None:
-        assert negated["question"]["criteria"] == {"yes": spec.yes_no[1], "no": spec.yes_no[0]}
+        assert negated["question"]["criteria"] == {"true": spec.yes_no[1], "false": spec.yes_no[0]}
     noul = [r for r in res.rows["train"] if r["primitive"] == "noul" and not r["abstain"]]
     assert {r["target"] for r in noul} == {0, 8}
     for r in noul:

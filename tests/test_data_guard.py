@@ -155,3 +155,9 @@ def test_row_level_decontamination(tmp_path):
     assert res.sources["banking77"].decontaminated >= 10
     states = {r["state"] for rows in res.rows.values() for r in rows}
     assert not states & {r["text"] for r in test_rows[:10]}
+
+
+def test_an_unreadable_eval_file_stops_decontamination_instead_of_being_skipped(tmp_path):
+    (tmp_path / "broken-dev.jsonl").write_text('{"question": "fine"}\n{not json\n')
+    with pytest.raises(ValueError, match="broken-dev.jsonl cannot be read for decontamination"):
+        Guard(tmp_path).eval_texts()

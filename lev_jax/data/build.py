@@ -4,9 +4,10 @@ Order matters and is fixed:
 
 1. the contamination guard runs on every requested source (and every local file) before anything
    loads;
-2. each source's records become base examples, exact duplicates are dropped and rows that match an
-   evaluation row of the eval-data folder are removed (a source where that is more than 5 % of rows
-   is refused as evaluation data);
+2. each source's records become base examples (a record that cannot be used is dropped and counted
+   by reason in the manifest), exact duplicates are dropped and rows that match an evaluation row of
+   the eval-data folder are removed (a source where that is more than 5 % of rows is refused as
+   evaluation data);
 3. every base example gets its split from blake2b(dataset, position, text) of its split unit, before
    any mixing, so no underlying row can be in two splits whatever the layouts or option sets;
 4. ``limit_per_source`` cuts each source after a seeded hash shuffle (a head slice is not a sample),
@@ -25,18 +26,18 @@ import json
 import logging
 import math
 import os
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from lev_jax.data.guard import ContaminationError, Guard, Violation
-from lev_jax.data.guard import _sha256 as guard_sha256
+from lev_jax.data.guard import ContaminationError, Guard, Violation, sha256_file
 from lev_jax.data.lengths import Encode, dumps, encoder, length_stats, length_text
 from lev_jax.data.questions import QuestionConfig, make_question, uniform_dist
-from lev_jax.data.registry import REGISTRY, SourceSpec, get_spec
+from lev_jax.data.registry import REGISTRY, SourceSpec, SpecError, get_spec
 from lev_jax.data.sources import LocalSource, Resolved, SourceUnavailable, resolve
-from lev_jax.data.splits import (BANDS, SPLITS, HashRng, assign_split, blake2b_hex, hash_order, normalize_text,
-                                 reachable_bands)
+from lev_jax.data.splits import SPLITS, HashRng, assign_split, blake2b_hex, hash_order, normalize_text, reachable_bands
+from lev_jax.domain import BANDS, NOUL, RATING_YES
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class BuildConfig:
 class SourceReport:
     origin: str
     raw: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)  # reason -> records (or completions) not usable
     examples: int = 0
     duplicates: int = 0
     decontaminated: int = 0
@@ -105,9 +107,10 @@ def prepare_source(spec: SourceSpec, records: Iterable[Mapping[str, Any]], *, ev
 
     rep = SourceReport(origin=origin)
     counted = _Counted(records)
+    dropped: Counter[str] = Counter()
     seen: set[str] = set()
     examples: list[dict[str, Any]] = []
-    for ex in build_examples(spec, counted, label_map):
+    for ex in build_examples(spec, counted, label_map, dropped):
         key = normalize_text(ex["key_text"]) + "\x1f" + ex["variant"]
         if key in seen:
             rep.duplicates += 1
@@ -122,6 +125,9 @@ def prepare_source(spec: SourceSpec, records: Iterable[Mapping[str, Any]], *, ev
         ex["uid"] = blake2b_hex(spec.name, ex["position"], ex["variant"], ex["key_text"])
         examples.append(ex)
     rep.raw = counted.n
+    rep.dropped = dict(sorted(dropped.items()))
+    if dropped:
+        log.warning("%s: dropped %s", spec.name, drops_text(rep.dropped))
     total = len(examples) + rep.decontaminated
     if total >= 20 and rep.decontaminated > cfg.decontamination_max_fraction * total:
         raise ContaminationError([Violation(
@@ -139,6 +145,12 @@ def prepare_source(spec: SourceSpec, records: Iterable[Mapping[str, Any]], *, ev
     for s in SPLITS:
         rep.split[s] = sum(1 for e in examples if e["split"] == s)
     return examples, rep
+
+
+def drops_text(dropped: Mapping[str, int]) -> str:
+    """``"3 (missing field 'text' 2, no gold label 1)"``: the total, then each reason, most first."""
+    detail = ", ".join(f"{why} {n}" for why, n in sorted(dropped.items(), key=lambda kv: (-kv[1], kv[0])))
+    return f"{sum(dropped.values())} ({detail})"
 
 
 class _Counted:
@@ -352,7 +364,7 @@ def assemble(sources: Sequence[str] | None = None, *, cfg: BuildConfig = BuildCo
     require = set(require)
     unknown = [n for n in [*names, *local, *require] if n not in REGISTRY]
     if unknown:
-        raise KeyError(f"unknown source(s) {', '.join(sorted(set(unknown)))}; known: {', '.join(REGISTRY)}")
+        raise SpecError(f"unknown source(s) {', '.join(sorted(set(unknown)))}; known: {', '.join(REGISTRY)}")
     for n in require | set(local):
         if n not in names:
             names.append(n)
@@ -397,6 +409,8 @@ def assemble(sources: Sequence[str] | None = None, *, cfg: BuildConfig = BuildCo
             continue
         if not exs:
             msg = f"{n}: no usable rows in {r.display}"
+            if rep.dropped:
+                msg += f"; dropped {drops_text(rep.dropped)}"
             if n in require:
                 raise SourceUnavailable(msg)
             skipped[n] = msg
@@ -503,7 +517,7 @@ def write(result: BuildResult, out_dir: str | os.PathLike) -> dict[str, Any]:
             by_readout[r["readout"]] = by_readout.get(r["readout"], 0) + 1
             by_band[r["band"]] = by_band.get(r["band"], 0) + 1
         splits[s] = {"file": f.name, "index": f"{s}.index.json", "rows": len(rows),
-                     "sha256": guard_sha256(f), "by_source": dict(sorted(by_source.items())),
+                     "sha256": sha256_file(f), "by_source": dict(sorted(by_source.items())),
                      "by_readout": dict(sorted(by_readout.items())), "by_band": dict(sorted(by_band.items()))}
     stats = length_stats(result.rows)
     (out / "length_stats.json").write_text(dumps(stats), encoding="utf-8")
@@ -547,8 +561,8 @@ def read_split(data_dir: str | os.PathLike, split: str) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------------------------------
 
 def eval_label(row: Mapping[str, Any]) -> Any:
-    if row["primitive"] == "noul":
-        return row["target"] == 8
+    if row["primitive"] == NOUL:
+        return row["target"] == RATING_YES
     return row["target"]
 
 
@@ -590,7 +604,7 @@ def export_eval(data_dir: str | os.PathLike, out_dir: str | os.PathLike, split: 
 
 
 def describe(manifest: Mapping[str, Any], stats: Mapping[str, Any] | None = None) -> str:
-    """A human summary: rows per split and source, train token lengths, skipped sources."""
+    """A human summary: rows per split and source, train token lengths, dropped records, skipped sources."""
     lines = []
     for s in SPLITS:
         sp = manifest["splits"][s]
@@ -599,6 +613,9 @@ def describe(manifest: Mapping[str, Any], stats: Mapping[str, Any] | None = None
         lines.append(f"train token lengths ({manifest['config']['tokenizer']}): source n mean p95 max")
         for name, st in stats["train"].items():
             lines.append(f"  {name:20s} {st['n']:7d} {st['mean']:8.1f} {st['p95']:8.1f} {st['max']:6d}")
+    for name, rep in manifest["sources"].items():
+        if rep.get("dropped"):
+            lines.append(f"{name}: dropped {drops_text(rep['dropped'])}")
     for why in manifest["skipped"].values():
         lines.append(f"skipped {why}")
     return "\n".join(lines)

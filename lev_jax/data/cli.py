@@ -11,10 +11,17 @@ from typing import Sequence
 
 from lev_jax.data.build import BuildConfig, CoverageError, assemble, describe, export_eval, write
 from lev_jax.data.guard import ContaminationError, Guard, check_sources_file
-from lev_jax.data.registry import REGISTRY, get_spec
+from lev_jax.data.registry import REGISTRY, SpecError
 from lev_jax.data.sources import SourceUnavailable, local_from_arg
 
 EXIT_CONTAMINATION, EXIT_COVERAGE, EXIT_UNAVAILABLE = 2, 3, 4
+EXIT_USAGE = 2  # bad arguments, as argparse exits
+
+
+def _spec(name: str, where: str):
+    if name not in REGISTRY:
+        raise SpecError(f"{where}: unknown source {name!r} (see `python -m data list`)")
+    return REGISTRY[name]
 
 
 def _locals(pairs: Sequence[str], config: str | None) -> dict:
@@ -23,12 +30,14 @@ def _locals(pairs: Sequence[str], config: str | None) -> dict:
     if config:
         overrides = json.loads(Path(config).read_text(encoding="utf-8"))
         for name, ov in overrides.items():
-            out[name] = local_from_arg(get_spec(name), ov["path"], ov)
+            if "path" not in ov:
+                raise SpecError(f"--local-config: {name!r} has no \"path\"")
+            out[name] = local_from_arg(_spec(name, "--local-config"), ov["path"], ov)
     for p in pairs:
         name, eq, path = p.partition("=")
         if not eq:
-            raise SystemExit(f"--local takes NAME=PATH, got {p!r}")
-        out[name] = local_from_arg(get_spec(name), path, overrides.get(name))
+            raise SpecError(f"--local takes NAME=PATH, got {p!r}")
+        out[name] = local_from_arg(_spec(name, "--local"), path, overrides.get(name))
     return out
 
 
@@ -93,6 +102,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 cfg_s = f":{s.config}" if s.config else ""
                 print(f"{s.name:20s} {s.primitive:6s} {s.hub_id}{cfg_s} [{s.hub_split}]"
                       + (f"  local={s.local.locator}" if s.local else ""))
+    except SpecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     except ContaminationError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONTAMINATION

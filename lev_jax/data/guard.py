@@ -87,11 +87,12 @@ class Violation:
 
 
 def default_eval_data_dir() -> Path:
-    """``$LEV_EVAL_DATA`` or ``<repo>/../shared/eval-data``."""
+    """Where the shared eval-data folder is: ``$LEV_EVAL_DATA``, else ``<repo>/../shared/eval-data``
+    (never a machine path). The one definition: the data pipeline, the guard and levbench use it."""
     env = os.environ.get(EVAL_DATA_ENV)
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[2] / ".." / "shared" / "eval-data"
+    return Path(__file__).resolve().parents[2].parent / "shared" / "eval-data"
 
 
 def _fold(identifier: str) -> str:
@@ -116,12 +117,10 @@ def resolve_eval_subset(identifier: str) -> str | None:
     return None
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file's bytes."""
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 class Guard:
@@ -147,7 +146,7 @@ class Guard:
         """sha256 -> file name, for every data file in the eval-data folder (allowed ones too, so that
         a renamed copy of clinc150-small.json is still held to its allowed parts)."""
         if self._fingerprints is None:
-            self._fingerprints = {_sha256(p): p.name for p in self._data_files()}
+            self._fingerprints = {sha256_file(p): p.name for p in self._data_files()}
         return self._fingerprints
 
     def _in_eval_dir(self, path: Path) -> bool:
@@ -167,8 +166,9 @@ class Guard:
                 try:
                     texts.update(_file_texts(p, allowed if allowed != "missing" else None,
                                              whole=allowed == "missing"))
-                except (OSError, ValueError):
-                    continue
+                except (OSError, ValueError) as e:  # skipping it would let its rows into training
+                    raise ValueError(f"eval-data file {p} cannot be read for decontamination: "
+                                     f"{e.__class__.__name__}: {e}") from e
             self._texts = {t for t in (normalize_text(x) for x in texts) if len(t) >= 8}
         return self._texts
 
@@ -195,7 +195,7 @@ class Guard:
         if not member and self._in_eval_dir(p):
             eval_name, how = p.name, "in the eval-data folder"
         elif not member and p.is_file():
-            eval_name = self.fingerprints().get(_sha256(p))
+            eval_name = self.fingerprints().get(sha256_file(p))
             how = f"a copy of eval-data/{eval_name}"
         if eval_name is not None:
             if eval_name in EVAL_DATA_DOCS or eval_name not in EVAL_DATA_ALLOWED_FILES:

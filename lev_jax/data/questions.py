@@ -19,10 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from lev_jax.data.registry import LETTERS, NOUL_NO, NOUL_RATINGS, NOUL_YES, SourceSpec
-from lev_jax.data.splits import BAND_RANGES, HashRng, band_of, reachable_bands
+from lev_jax.data.registry import LETTERS, SourceSpec
+from lev_jax.data.splits import HashRng, reachable_bands
+from lev_jax.domain import BAND_RANGES, CHOICE, NOUL, RATING_LEVELS, RATING_NO, RATING_YES, SCORE, band_of
 
-LARGE_TAXONOMY = 26  # more options than this is a large taxonomy
+LARGE_TAXONOMY = BAND_RANGES["mid"][1]  # more options than the mid band holds is a large taxonomy
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ def make_question(spec: SourceSpec, ex: dict[str, Any], split: str, rng: HashRng
                   cfg: QuestionConfig = QuestionConfig(), negate: bool | None = None) -> dict[str, Any]:
     """{question, target, target_dist, n_options, band, negated, full_options, canonical}."""
     canonical = split == "test"
-    if spec.primitive == "choice":
+    if spec.primitive == CHOICE:
         opts, gold, relabel = _choice_options(spec, ex)
         n = len(opts)
         full = True
@@ -81,15 +82,15 @@ def make_question(spec: SourceSpec, ex: dict[str, Any], split: str, rng: HashRng
         instructions = spec.instructions[0] if split != "train" else rng.choice(spec.instructions)
         criteria = {key: desc for key, desc in chosen}
         dist = [1.0 if key == target else 0.0 for key in criteria]
-        return dict(question={"type": "choice", "instructions": instructions, "criteria": criteria},
+        return dict(question={"type": CHOICE, "instructions": instructions, "criteria": criteria},
                     target=target, target_dist=dist, n_options=len(criteria), band=band_of(len(criteria)),
                     negated=False, full_options=full, canonical=canonical)
-    if spec.primitive == "score":
+    if spec.primitive == SCORE:
         paraphrases = spec.aspect_instructions[ex["aspect"]] if spec.aspect_instructions else spec.instructions
         instructions = paraphrases[0] if split != "train" else rng.choice(paraphrases)
         levels = list(spec.levels)
         dist = [1.0 if i == ex["label"] else 0.0 for i in range(len(levels))]
-        q = {"type": "score", "instructions": instructions, "criteria": levels}
+        q = {"type": SCORE, "instructions": instructions, "criteria": levels}
         return dict(question=q, target=ex["label"], target_dist=dist, n_options=len(levels),
                     band=band_of(len(levels)), negated=False, full_options=True, canonical=canonical)
     # Noul
@@ -101,23 +102,21 @@ def make_question(spec: SourceSpec, ex: dict[str, Any], split: str, rng: HashRng
     else:
         instructions = spec.negations[0] if negate else spec.instructions[0]
     yes, no = spec.yes_no
-    criteria: dict[str, str] | None = {"yes": no, "no": yes} if negate else {"yes": yes, "no": no}
+    criteria: dict[str, str] | None = {"true": no, "false": yes} if negate else {"true": yes, "false": no}
     if split == "train" and rng.random() < cfg.noul_null_criteria_fraction:
         criteria = None
     answer_yes = bool(ex["label"]) != bool(negate)
-    target = NOUL_YES if answer_yes else NOUL_NO
-    dist = [1.0 if r == target else 0.0 for r in range(NOUL_RATINGS)]
-    return dict(question={"type": "noul", "instructions": instructions, "criteria": criteria},
+    target = RATING_YES if answer_yes else RATING_NO
+    dist = [1.0 if r == target else 0.0 for r in range(RATING_LEVELS)]
+    return dict(question={"type": NOUL, "instructions": instructions, "criteria": criteria},
                 target=target, target_dist=dist, n_options=2, band=band_of(2), negated=bool(negate),
                 full_options=True, canonical=canonical and not negate)
 
 
 def uniform_dist(question: dict[str, Any]) -> list[float]:
     """The abstain target: uniform over the options, levels or Noul ratings the question offers."""
-    if question["type"] == "choice":
-        n = len(question["criteria"])
-    elif question["type"] == "score":
+    if question["type"] in (CHOICE, SCORE):
         n = len(question["criteria"])
     else:
-        n = NOUL_RATINGS
+        n = RATING_LEVELS
     return [1.0 / n] * n

@@ -9,17 +9,46 @@ into structured base examples. Nothing here renders prompt text: that belongs to
 
 from __future__ import annotations
 
+import logging
 import re
+import string
+from collections import Counter
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Iterable, Iterator, Literal, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from lev_jax.data.splits import HashRng, normalize_text
+from lev_jax.domain import CHOICE, CHOICE_OPTIONS, NOUL, QUESTION_TYPES, RATING, SCORE, SCORE_LEVELS
 
-Primitive = Literal["choice", "score", "noul"]
-READOUT: Mapping[str, str] = MappingProxyType({"choice": "choice", "score": "score", "noul": "noul_rating"})
-NOUL_YES, NOUL_NO, NOUL_RATINGS = 8, 0, 9  # Noul readout: ratings 0..8; labels are only ever 0 or 8.
-LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+log = logging.getLogger(__name__)
+
+# The batch-group key a built row carries in its ``readout`` field (pipeline batches never mix
+# keys): choice and score rows are read as letter codes, Noul rows as a rating.
+READOUT: Mapping[str, str] = MappingProxyType({CHOICE: CHOICE, SCORE: SCORE, NOUL: f"{NOUL}_{RATING}"})
+# The option keys a multiple-choice *record* uses (RACE answers "A".."D") and the keys a built MCQ
+# question presents: a property of the data, not the readout's label codes (lev_jax.labels picks
+# those per tokenizer), so it lives here.
+LETTERS = string.ascii_uppercase
+
+# kind -> the primitive it builds; a spec's kind picks its record builder.
+KIND_PRIMITIVE: Mapping[str, str] = MappingProxyType({
+    "classify": CHOICE, "mcq": CHOICE, "score": SCORE, "ultrafeedback": SCORE, "noul": NOUL,
+    "answer_correct": NOUL,
+})
+KINDS = tuple(KIND_PRIMITIVE)
+MCQ_FORMATS = ("race", "choices", "sciq")
+# The roles a multiple-choice format reads from a record ("context" is optional everywhere).
+MCQ_ROLES: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "race": ("question", "options", "answer"),
+    "choices": ("question", "choices", "answer"),
+    "sciq": ("question", "correct", "distractor1", "distractor2", "distractor3"),
+})
+LOCAL_SCHEMES = ("eval-data", "package")
+
+
+class SpecError(ValueError):
+    """A source spec that cannot work (unknown kind, missing roles, ...): raised where it is defined."""
 
 
 @dataclass(frozen=True)
@@ -43,16 +72,25 @@ class LocalSpec:
     keep: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # column -> allowed values
     label_map: Mapping[Any, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        scheme, _, rest = self.locator.partition(":")
+        if scheme not in LOCAL_SCHEMES or not rest or (scheme == "package" and rest.count(":") != 1):
+            raise SpecError(f"local locator {self.locator!r} is not 'eval-data:<file>' or "
+                            f"'package:<dist>:<member>'")
+
 
 @dataclass(frozen=True)
 class SourceSpec:
+    """One training source. Checked when defined (``__post_init__``): a spec that could only fail
+    later, per record, fails here instead with a ``SpecError``."""
+
     name: str
     dataset: str  # the underlying dataset: recast sources share it, and with it their split
     hub_id: str
     config: str | None
     hub_split: str
-    primitive: Primitive
-    kind: str  # classify | mcq | score | ultrafeedback | noul | answer_correct
+    primitive: str  # one of domain.QUESTION_TYPES
+    kind: str  # one of KINDS: classify | mcq | score | ultrafeedback | noul | answer_correct
     columns: Mapping[str, str]  # role -> hub column
     state_roles: tuple[str, ...] = ("text",)
     options: tuple[Option, ...] = ()  # choice taxonomies (MCQ options are per row)
@@ -63,15 +101,22 @@ class SourceSpec:
     aspect_instructions: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     label_map: Mapping[Any, Any] = field(default_factory=dict)
     label_fn: Callable[[Any], Any] | None = None  # raw label -> canonical label, None drops the row
-    mcq_format: str | None = None  # race | choices | sciq
+    mcq_format: str | None = None  # one of MCQ_FORMATS (mcq and answer_correct kinds)
     topic: str = ""
-    bucket: str = ""  # mixture bucket: "intent" or the primitive
+    bucket: str = ""  # mixture bucket: "intent" or the primitive (the default)
     aliases: tuple[str, ...] = ()
     local: LocalSpec | None = None
     strip_descriptions: bool = True  # train may drop option descriptions (not for MCQ answers)
     negation_fraction: float = 0.25
     swap_negatives: float = 0.0  # qqp: share of positive pairs that also yield a word-swapped negative
     notes: str = ""
+
+    def __post_init__(self) -> None:
+        problems = _spec_problems(self)
+        if problems:
+            raise SpecError(f"source {self.name!r}: " + "; ".join(problems))
+        if not self.bucket:
+            object.__setattr__(self, "bucket", self.primitive)
 
     @property
     def readout(self) -> str:
@@ -81,15 +126,79 @@ class SourceSpec:
     def option_keys(self) -> tuple[str, ...]:
         return tuple(o.key for o in self.options)
 
+    def required_roles(self) -> tuple[str, ...]:
+        """The roles every record of this source must carry (a record without one is dropped)."""
+        if self.kind in ("mcq", "answer_correct"):
+            return MCQ_ROLES.get(self.mcq_format or "", ())
+        if self.kind == "ultrafeedback":
+            return ("instruction", "completions")
+        return (*self.state_roles, "label")
+
     def offered_labels(self) -> tuple[Any, ...] | None:
         """Labels the canonical question offers (None for per-row MCQ options and Noul)."""
-        if self.primitive == "noul":
+        if self.primitive == NOUL:
             return None
         if self.kind == "classify":
             return self.option_keys
-        if self.primitive == "score":
+        if self.primitive == SCORE:
             return tuple(range(len(self.levels)))
         return None
+
+
+def _spec_problems(s: SourceSpec) -> list[str]:
+    """Everything wrong with a spec, as short phrases (empty when it is usable)."""
+    out: list[str] = []
+    if s.primitive not in QUESTION_TYPES:
+        out.append(f"unknown primitive {s.primitive!r} (expected one of {', '.join(QUESTION_TYPES)})")
+    if s.kind not in KIND_PRIMITIVE:
+        out.append(f"unknown kind {s.kind!r} (expected one of {', '.join(KINDS)})")
+    elif KIND_PRIMITIVE[s.kind] != s.primitive:
+        out.append(f"kind {s.kind!r} builds {KIND_PRIMITIVE[s.kind]} questions, not {s.primitive}")
+    if s.kind in ("mcq", "answer_correct"):
+        if s.mcq_format not in MCQ_FORMATS:
+            out.append(f"kind {s.kind!r} needs mcq_format in {', '.join(MCQ_FORMATS)}, got {s.mcq_format!r}")
+    elif s.mcq_format is not None:
+        out.append(f"mcq_format is only for the mcq and answer_correct kinds, not {s.kind!r}")
+    for where, columns in [("columns", s.columns)] + ([("local columns", s.local.columns)] if s.local else []):
+        missing = [r for r in s.required_roles() if r not in columns]
+        if missing:
+            out.append(f"{where} lack role(s) {', '.join(missing)}")
+    if s.kind == "classify":
+        keys = s.option_keys
+        lo, hi = CHOICE_OPTIONS
+        if not lo <= len(keys) <= hi:
+            out.append(f"a taxonomy has {lo}..{hi} options, got {len(keys)}")
+        if len(set(keys)) != len(keys):
+            out.append("duplicate option keys")
+    elif s.options:
+        out.append(f"options are for the classify kind (a {s.kind} source's options are per row)")
+    if s.primitive == SCORE:
+        lo, hi = SCORE_LEVELS
+        if not lo <= len(s.levels) <= hi:
+            out.append(f"a score source has {lo}..{hi} levels, got {len(s.levels)}")
+    elif s.levels:
+        out.append("levels are for score sources")
+    if s.kind == "ultrafeedback":
+        if not s.aspect_instructions or not all(s.aspect_instructions.values()):
+            out.append("an ultrafeedback source needs instructions for every aspect")
+    elif not s.instructions:
+        out.append("no instructions")
+    if s.primitive == NOUL:
+        if not s.yes_no or len(s.yes_no) != 2 or s.yes_no[0] == s.yes_no[1]:
+            out.append("a Noul source needs two distinct yes/no criteria")
+        if not s.negations:
+            out.append("a Noul source needs negations")
+    elif s.yes_no is not None or s.negations:
+        out.append("yes/no criteria and negations are for Noul sources")
+    if s.label_fn is not None and s.label_map:
+        out.append("label_fn and label_map both set (label_fn would ignore the map)")
+    if not 0.0 <= s.negation_fraction <= 1.0:
+        out.append(f"negation_fraction {s.negation_fraction} outside [0, 1]")
+    if not 0.0 <= s.swap_negatives <= 1.0:
+        out.append(f"swap_negatives {s.swap_negatives} outside [0, 1]")
+    if s.swap_negatives and (s.kind != "noul" or len(s.state_roles) < 2):
+        out.append("swap_negatives needs a noul kind with a two-part state")
+    return out
 
 
 def _opts(pairs: Iterable[tuple[str, str | None]]) -> tuple[Option, ...]:
@@ -496,11 +605,7 @@ def _finalize(specs: tuple[SourceSpec, ...]) -> Mapping[str, SourceSpec]:
     out: dict[str, SourceSpec] = {}
     for s in specs:
         if s.name in out:
-            raise ValueError(f"duplicate source {s.name}")
-        if not s.bucket:
-            object.__setattr__(s, "bucket", s.primitive)
-        if s.primitive == "noul" and (not s.negations or not s.yes_no):
-            raise ValueError(f"Noul source {s.name} needs negations and yes/no criteria")
+            raise SpecError(f"duplicate source {s.name}")
         out[s.name] = s
     return MappingProxyType(out)
 
@@ -520,10 +625,15 @@ def get_spec(name: str) -> SourceSpec:
 # ---------------------------------------------------------------------------------------------
 
 class RecordError(ValueError):
-    """A record that cannot be turned into an example (missing field, malformed options): skipped."""
+    """A record that cannot be turned into an example (a missing or malformed field, no gold label):
+    dropped and counted under ``reason`` (short and record-independent, so counts aggregate)."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
 
 
-class LabelError(RecordError):
+class LabelError(ValueError):
     """A label outside the source's label set: a wrong column or label map, so it raises."""
 
 
@@ -533,6 +643,8 @@ def canonical_label(spec: SourceSpec, raw: Any, lm: Mapping[Any, Any] | None = N
         return spec.label_fn(raw)
     if raw is None or raw == "" or (isinstance(raw, int) and not isinstance(raw, bool) and raw < 0):
         return None  # no gold label (e.g. SNLI's -1)
+    if not isinstance(raw, Hashable):
+        raise LabelError(f"{spec.name}: label {raw!r} is not a label value (a list or mapping: wrong column?)")
     maps = [m for m in (lm, spec.label_map) if m]
     for m in maps:
         if raw in m:
@@ -543,7 +655,7 @@ def canonical_label(spec: SourceSpec, raw: Any, lm: Mapping[Any, Any] | None = N
         if raw in spec.option_keys:
             return raw
         raise LabelError(f"{spec.name}: label {raw!r} is not one of the source's options")
-    if spec.primitive == "score":
+    if spec.primitive == SCORE:
         try:
             v = int(raw)
         except (TypeError, ValueError):
@@ -551,18 +663,22 @@ def canonical_label(spec: SourceSpec, raw: Any, lm: Mapping[Any, Any] | None = N
         if not 0 <= v < len(spec.levels):
             raise LabelError(f"{spec.name}: score label {v} outside 0..{len(spec.levels) - 1}")
         return v
-    if spec.primitive == "noul":
-        v = _truthy(raw)
-        if v is None:
-            raise LabelError(f"{spec.name}: Noul label {raw!r} is not yes/no")
-        return v
-    raise RecordError(f"{spec.name}: cannot map label {raw!r}")
+    v = _truthy(raw)  # Noul (the spec's checks leave no other primitive with record labels)
+    if v is None:
+        raise LabelError(f"{spec.name}: Noul label {raw!r} is not yes/no")
+    return v
+
+
+def _require(rec: Mapping[str, Any], roles: Iterable[str]) -> None:
+    for r in roles:
+        if r not in rec:
+            raise RecordError(f"missing field {r!r}")
 
 
 def _state(spec: SourceSpec, rec: Mapping[str, Any]) -> str | dict[str, Any]:
     for r in spec.state_roles:
-        if r not in rec or rec[r] is None:
-            raise RecordError(f"{spec.name}: record lacks role {r!r}")
+        if rec[r] is None:
+            raise RecordError(f"empty field {r!r}")
     if len(spec.state_roles) == 1:
         return str(rec[spec.state_roles[0]]).strip()
     return {r: str(rec[r]).strip() for r in spec.state_roles}
@@ -576,24 +692,38 @@ def _state_text(state: Any) -> str:
     return str(state)
 
 
+def _str_list(value: Any, role: str) -> list[str]:
+    if not isinstance(value, (list, tuple)):
+        raise RecordError(f"malformed field {role!r}", f"expected a list, got {type(value).__name__}")
+    return [str(x).strip() for x in value]
+
+
 def _mcq(spec: SourceSpec, rec: Mapping[str, Any], position: int) -> tuple[str, str, list[str], int]:
     """(context, question, options in canonical order, gold index)."""
     fmt = spec.mcq_format
     context = str(rec.get("context") or "").strip()
     question = str(rec.get("question") or "").strip()
     if fmt == "race":
-        options = [str(o).strip() for o in rec["options"]]
+        options = _str_list(rec["options"], "options")
         ans = str(rec["answer"]).strip()
-        gold = LETTERS.index(ans) if ans in LETTERS else int(ans)
+        if len(ans) == 1 and ans in LETTERS:  # one letter, not any substring of the alphabet
+            gold = LETTERS.index(ans)
+        elif ans.isdigit():
+            gold = int(ans)
+        else:
+            raise RecordError("malformed field 'answer'", f"{ans!r} is neither a letter nor an index")
     elif fmt == "choices":
         ch = rec["choices"]
-        labels = [str(x).strip() for x in ch["label"]]
-        options = [str(x).strip() for x in ch["text"]]
+        if not isinstance(ch, Mapping) or "label" not in ch or "text" not in ch:
+            raise RecordError("malformed field 'choices'", "expected {label: [...], text: [...]}")
+        labels, options = _str_list(ch["label"], "choices"), _str_list(ch["text"], "choices")
+        if len(labels) != len(options):
+            raise RecordError("malformed field 'choices'", f"{len(labels)} labels for {len(options)} texts")
         ans = str(rec["answer"]).strip()
         if ans not in labels:
-            raise RecordError(f"{spec.name}: answer {ans!r} not among choice labels {labels}")
+            raise RecordError("answer not among the choices", f"{ans!r} not in {labels}")
         gold = labels.index(ans)
-    elif fmt == "sciq":
+    else:  # "sciq" (the spec's checks allow no other format)
         correct = str(rec["correct"]).strip()
         distractors = [str(rec[f"distractor{i}"]).strip() for i in (1, 2, 3)]
         options = [correct] + distractors
@@ -601,12 +731,14 @@ def _mcq(spec: SourceSpec, rec: Mapping[str, Any], position: int) -> tuple[str, 
         HashRng("sciq-canonical-order", position, question).shuffle(order)  # gold not always first
         options = [options[i] for i in order]
         gold = order.index(0)
-    else:
-        raise RecordError(f"{spec.name}: unknown MCQ format {fmt!r}")
-    if not question or len(options) < 2 or not 0 <= gold < len(options):
-        raise RecordError(f"{spec.name}: malformed multiple-choice record at {position}")
+    if not question:
+        raise RecordError("empty field 'question'")
+    if not 2 <= len(options) <= len(LETTERS):
+        raise RecordError(f"option count outside 2..{len(LETTERS)}", f"{len(options)} options")
+    if not 0 <= gold < len(options):
+        raise RecordError("answer outside the options", f"index {gold} of {len(options)}")
     if len(set(normalize_text(o) for o in options)) != len(options):
-        raise RecordError(f"{spec.name}: duplicate options at {position}")
+        raise RecordError("duplicate options")
     return context, question, options, gold
 
 
@@ -623,78 +755,111 @@ def _swap_words(text: str, rng: HashRng) -> str | None:
     return None
 
 
+Examples = Iterator[dict[str, Any]]
+
+
+def _labelled(spec: SourceSpec, rec: Mapping[str, Any], position: int,
+              label_map: Mapping[Any, Any] | None) -> Examples:
+    """classify / score / noul: a state and a label per record (qqp also word-swapped negatives)."""
+    label = canonical_label(spec, rec["label"], label_map)
+    if label is None:
+        raise RecordError("no gold label")
+    state = _state(spec, rec)
+    text = _state_text(state)
+    if not normalize_text(text):
+        raise RecordError("empty text")
+    yield dict(position=position, unit=(position, text), key_text=text, state=state, label=label, variant="")
+    if spec.swap_negatives and label is True:
+        rng = HashRng("swap", spec.name, position)
+        if rng.random() < spec.swap_negatives:
+            role = spec.state_roles[-1]
+            swapped = _swap_words(state[role], rng)
+            if swapped is not None:
+                st2 = dict(state)
+                st2[role] = swapped
+                yield dict(position=position, unit=(position, text), key_text=_state_text(st2),
+                           state=st2, label=False, variant="swap")
+
+
+def _multiple_choice(spec: SourceSpec, rec: Mapping[str, Any], position: int,
+                     race_articles: dict[str, int]) -> Examples:
+    """mcq (the gold letter) and answer_correct (a proposed answer, right half the time)."""
+    context, question, options, gold = _mcq(spec, rec, position)
+    if spec.mcq_format == "race" and context:
+        unit_pos = race_articles.setdefault(context, position)
+        unit = (unit_pos, context)
+    else:
+        unit = (position, context + "\n" + question)
+    base_state = {"passage": context, "question": question} if context else {"question": question}
+    key_text = _state_text(base_state)
+    if spec.kind == "mcq":
+        yield dict(position=position, unit=unit, key_text=key_text, state=base_state,
+                   label=LETTERS[gold], options=options, variant="")
+        return
+    rng = HashRng("proposed", spec.name, position)
+    correct = rng.random() < 0.5
+    pick = gold if correct else rng.choice([i for i in range(len(options)) if i != gold])
+    state = dict(base_state, proposed_answer=options[pick])
+    yield dict(position=position, unit=unit, key_text=_state_text(state), state=state,
+               label=bool(correct), variant="")
+
+
+def _ultrafeedback(spec: SourceSpec, rec: Mapping[str, Any], position: int, dropped: Counter[str]) -> Examples:
+    """One score row per rated completion, on one aspect picked per completion."""
+    instruction = str(rec["instruction"] or "").strip()
+    if not instruction:
+        raise RecordError("empty field 'instruction'")
+    completions = rec["completions"]
+    if not isinstance(completions, (list, tuple)):
+        raise RecordError("malformed field 'completions'", f"expected a list, got {type(completions).__name__}")
+    aspects = list(spec.aspect_instructions)
+    for c, comp in enumerate(completions):
+        if not isinstance(comp, Mapping):
+            dropped["completion: not a mapping"] += 1
+            continue
+        aspect = HashRng("uf-aspect", position, c).choice(aspects)
+        annotations = comp.get("annotations")
+        ann = annotations.get(aspect) if isinstance(annotations, Mapping) else None
+        rating = ann.get("Rating") if isinstance(ann, Mapping) else None
+        level = int(str(rating).strip()) - 1 if rating is not None and str(rating).strip().isdigit() else -1
+        if not 0 <= level < len(spec.levels):
+            dropped["completion: no 1-5 rating for its aspect"] += 1
+            continue
+        state = {"instruction": instruction, "response": str(comp.get("response", "")).strip()}
+        yield dict(position=position, unit=(position, instruction), key_text=_state_text(state),
+                   state=state, label=level, aspect=aspect, variant=f"c{c}")
+
+
 def build_examples(spec: SourceSpec, records: Iterable[Mapping[str, Any]],
-                   label_map: Mapping[Any, Any] | None = None) -> Iterator[dict[str, Any]]:
+                   label_map: Mapping[Any, Any] | None = None,
+                   dropped: Counter[str] | None = None) -> Iterator[dict[str, Any]]:
     """Yield base examples: {position, unit, key_text, state, label, [options, aspect], variant}.
 
     ``unit`` = (position, text) of the split unit: the whole underlying item (for RACE, the article,
-    so that no passage is in two splits). Rows that cannot be used (missing fields, dropped labels)
-    are skipped, except that a record with an unknown label raises ``LabelError``: a wrong column
-    or label map is an error, not noise.
+    so that no passage is in two splits). A record that cannot be used (a missing or malformed field,
+    no gold label) is dropped and counted in ``dropped`` by reason (UltraFeedback also counts unrated
+    completions). A record with an unknown label raises ``LabelError``: a wrong column or label map
+    is an error, not noise. Nothing else is caught: an error in this code is not a dropped record.
     """
+    dropped = Counter() if dropped is None else dropped
     race_articles: dict[str, int] = {}
+    required = spec.required_roles()
     for position, rec in enumerate(records):
         try:
+            _require(rec, required)
             if spec.kind in ("classify", "score", "noul"):
-                label = canonical_label(spec, rec.get("label"), label_map)
-                if label is None:
-                    continue
-                state = _state(spec, rec)
-                text = _state_text(state)
-                if not normalize_text(text):
-                    continue
-                yield dict(position=position, unit=(position, text), key_text=text, state=state, label=label,
-                           variant="")
-                if spec.swap_negatives and label is True:
-                    rng = HashRng("swap", spec.name, position)
-                    if rng.random() < spec.swap_negatives:
-                        role = spec.state_roles[-1]
-                        swapped = _swap_words(state[role], rng)
-                        if swapped is not None:
-                            st2 = dict(state)
-                            st2[role] = swapped
-                            yield dict(position=position, unit=(position, text), key_text=_state_text(st2),
-                                       state=st2, label=False, variant="swap")
+                rows = _labelled(spec, rec, position, label_map)
             elif spec.kind in ("mcq", "answer_correct"):
-                context, question, options, gold = _mcq(spec, rec, position)
-                if spec.mcq_format == "race" and context:
-                    unit_pos = race_articles.setdefault(context, position)
-                    unit = (unit_pos, context)
-                else:
-                    unit = (position, context + "\n" + question)
-                base_state = {"passage": context, "question": question} if context else {"question": question}
-                key_text = _state_text(base_state)
-                if spec.kind == "mcq":
-                    yield dict(position=position, unit=unit, key_text=key_text, state=base_state,
-                               label=LETTERS[gold], options=options, variant="")
-                else:
-                    rng = HashRng("proposed", spec.name, position)
-                    correct = rng.random() < 0.5
-                    pick = gold if correct else rng.choice([i for i in range(len(options)) if i != gold])
-                    state = dict(base_state, proposed_answer=options[pick])
-                    yield dict(position=position, unit=unit, key_text=_state_text(state), state=state,
-                               label=bool(correct), variant="")
-            elif spec.kind == "ultrafeedback":
-                instruction = str(rec["instruction"]).strip()
-                for c, comp in enumerate(rec.get("completions") or []):
-                    aspects = list(spec.aspect_instructions)
-                    aspect = HashRng("uf-aspect", position, c).choice(aspects)
-                    ann = (comp.get("annotations") or {}).get(aspect) or {}
-                    rating = ann.get("Rating") if isinstance(ann, dict) else None
-                    if rating is None or not str(rating).strip().isdigit():
-                        continue
-                    level = int(str(rating).strip()) - 1
-                    if not 0 <= level < len(spec.levels):
-                        continue
-                    state = {"instruction": instruction, "response": str(comp.get("response", "")).strip()}
-                    yield dict(position=position, unit=(position, instruction), key_text=_state_text(state),
-                               state=state, label=level, aspect=aspect, variant=f"c{c}")
-            else:
-                raise RecordError(f"{spec.name}: unknown kind {spec.kind!r}")
-        except LabelError:
-            raise
-        except (RecordError, KeyError, TypeError, IndexError, ValueError):
+                rows = _multiple_choice(spec, rec, position, race_articles)
+            else:  # "ultrafeedback" (SourceSpec rejects any other kind when it is defined)
+                rows = _ultrafeedback(spec, rec, position, dropped)
+            # A record's rows are built before any is yielded, so a bad record yields none of them.
+            built = list(rows)
+        except RecordError as e:
+            dropped[e.reason] += 1
+            log.debug("%s: record %d dropped: %s", spec.name, position, e)
             continue
+        yield from built
 
 
 def state_text(state: Any) -> str:

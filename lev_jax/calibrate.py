@@ -83,6 +83,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from lev_jax import metrics
+from lev_jax.domain import BAND_RANGES, BANDED_QTYPES, BANDS, BINARY, NOUL, RATING, RATING_LEVELS, RATING_WEIGHTS, band_of
 
 __all__ = [
     "FORMAT",
@@ -91,14 +92,6 @@ __all__ = [
     "REPORT_FILE",
     "MIN_ROWS",
     "LOG_T_BOUNDS",
-    "SMALL_MAX",
-    "MID_MAX",
-    "NOUL",
-    "BINARY",
-    "RATING",
-    "RATING_CODES",
-    "BANDED_QTYPES",
-    "option_band",
     "bucket_key",
     "forbidden_split_reason",
     "check_split_name",
@@ -118,14 +111,6 @@ REPORT_FILE = "calibration_report.md"
 MIN_ROWS = 50
 LOG_T_BOUNDS = (-3.0, 3.0)
 ECE_BINS = 10
-SMALL_MAX = 8  # small band: n_options <= 8
-MID_MAX = 26  # mid band: 9..26; large: > 26
-
-NOUL = "noul"
-BINARY = "binary"
-RATING = "rating"
-RATING_CODES = 9
-BANDED_QTYPES = frozenset({"choice"})
 
 _GRID_POINTS = 121  # log T step 0.05 over [-3, 3]
 _GOLDEN_TOL = 1e-5
@@ -133,18 +118,6 @@ _AT_BOUND_TOL = 1e-3
 
 
 # --------------------------------------------------------------------------- buckets
-
-
-def option_band(n_options: int) -> str:
-    """``"small"`` (<= 8), ``"mid"`` (9-26) or ``"large"`` (> 26)."""
-    n = int(n_options)
-    if n < 1:
-        raise ValueError(f"n_options must be >= 1, got {n_options}")
-    if n <= SMALL_MAX:
-        return "small"
-    if n <= MID_MAX:
-        return "mid"
-    return "large"
 
 
 def bucket_key(qtype: str, mode: str, band: str | None = None) -> str:
@@ -207,15 +180,12 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return e / e.sum(axis=axis, keepdims=True)
 
 
-_RATING_WEIGHTS = np.arange(RATING_CODES, dtype=np.float64) / (RATING_CODES - 1)
-
-
 def rating_p_yes(probs: np.ndarray) -> np.ndarray | float:
     """``P(yes) = sum_i (i / 8) * p_i`` over the 9 rating codes (last axis)."""
     p = np.asarray(probs, dtype=np.float64)
-    if p.shape[-1] != RATING_CODES:
-        raise ValueError(f"a rating readout has {RATING_CODES} codes, got {p.shape[-1]}")
-    out = p @ _RATING_WEIGHTS
+    if p.shape[-1] != RATING_LEVELS:
+        raise ValueError(f"a rating readout has {RATING_LEVELS} codes, got {p.shape[-1]}")
+    out = (p * RATING_WEIGHTS).sum(axis=-1)
     return float(out) if np.ndim(out) == 0 else out
 
 
@@ -237,18 +207,31 @@ def _orderings(logits) -> list[np.ndarray]:
     return arrs
 
 
-def readout(logits, qtype: str, mode: str, temperature: float = 1.0) -> np.ndarray | float:
-    """The calibrated answer distribution of one readout (numpy reference for predict()).
+def readout(logits, qtype: str, mode: str, temperature: float = 1.0, maps=None) -> np.ndarray | float:
+    """The calibrated answer distribution of one readout: what predict() applies and what
+    calibration is fitted and evaluated with.
 
-    ``logits``: a 1-D array, or a list of per-ordering 1-D arrays (canonical order). Each
-    ordering is divided by ``temperature`` and soft-maxed; the probabilities are averaged.
+    ``logits``: a 1-D array, or a list of per-ordering 1-D arrays, in canonical order, or, with
+    ``maps`` (per ordering: code position -> candidate index), in each ordering's presentation
+    order as read from the model. Each ordering is divided by ``temperature`` and soft-maxed (in
+    the order it was read), mapped to canonical order, and the probabilities are averaged.
     Returns the probability vector over candidates, or for ``noul`` the float ``P(yes)``.
     """
     _check_type_mode(qtype, mode)
     if not (temperature > 0 and math.isfinite(temperature)):
         raise ValueError(f"temperature must be positive and finite, got {temperature}")
     arrs = _orderings(logits)
-    p = np.mean([softmax(a / temperature) for a in arrs], axis=0)
+    ps = [softmax(a / temperature) for a in arrs]
+    if maps is not None:
+        if len(maps) != len(ps) or any(len(m) != len(p) for m, p in zip(maps, ps)):
+            raise ValueError("maps must give one candidate index per logit of every ordering")
+        canonical = []
+        for m, p_read in zip(maps, ps):
+            p_canon = np.zeros(len(m))
+            p_canon[np.asarray(m)] = p_read
+            canonical.append(p_canon)
+        ps = canonical
+    p = np.mean(ps, axis=0)
     if qtype != NOUL:
         return p
     if mode == BINARY:
@@ -281,7 +264,7 @@ class CalibrationRow:
         if self.qtype == NOUL:
             if not isinstance(self.gold, (bool, np.bool_)):
                 raise ValueError(f"noul gold must be a bool, got {self.gold!r}")
-            need = 2 if self.mode == BINARY else RATING_CODES
+            need = 2 if self.mode == BINARY else RATING_LEVELS
             if k != need:
                 raise ValueError(f"a noul {self.mode} readout has {need} logits, got {k}")
             object.__setattr__(self, "gold", bool(self.gold))
@@ -302,7 +285,7 @@ class CalibrationRow:
 
     @property
     def band(self) -> str | None:
-        return option_band(self.n_options) if self.qtype in BANDED_QTYPES else None
+        return band_of(self.n_options) if self.qtype in BANDED_QTYPES else None
 
 
 class _Packed:
@@ -338,7 +321,7 @@ class _Packed:
         return np.add.reduceat(softmax(lines / t), starts, axis=0) / counts[:, None]
 
     def _p_yes(self, p: np.ndarray) -> np.ndarray:
-        p_yes = p[:, 0] if self.noul_mode == BINARY else p @ _RATING_WEIGHTS
+        p_yes = p[:, 0] if self.noul_mode == BINARY else rating_p_yes(p)
         return np.clip(p_yes, 0.0, 1.0)
 
     def p_gold(self, t: float) -> np.ndarray:
@@ -558,7 +541,7 @@ def fit(
             "objective": "mean NLL (noul: Bernoulli NLL of P(yes)); row- and family-weighted",
             "selection": "lower leave-one-family-out ECE; row-weighted if fewer than 3 families",
             "ece_bins": ECE_BINS,
-            "bands": {"small": [1, SMALL_MAX], "mid": [SMALL_MAX + 1, MID_MAX], "large": [MID_MAX + 1, None]},
+            "bands": {band: list(BAND_RANGES[band]) for band in BANDS},
             "banded_qtypes": sorted(BANDED_QTYPES),
             "rating_p_yes": "sum_i (i/8) p_i over 9 codes",
             "binary_logit_order": ["yes", "no"],
@@ -681,7 +664,7 @@ class Calibration:
         if qtype in BANDED_QTYPES:
             if n_options is None:
                 raise ValueError(f"n_options is required to look up a {qtype!r} temperature")
-            band = option_band(n_options)
+            band = band_of(n_options)
             if (qtype, mode, band) in self._temps:
                 return bucket_key(qtype, mode, band), self._temps[(qtype, mode, band)]
         if (qtype, mode, None) in self._temps:
@@ -703,12 +686,13 @@ class Calibration:
             logits = np.asarray(logits, dtype=np.float64)
         return logits / t
 
-    def readout(self, logits, qtype: str, mode: str, n_options: int | None = None) -> np.ndarray | float:
-        """Calibrated :func:`readout` (``logits`` one array or a list of per-ordering arrays)."""
+    def readout(self, logits, qtype: str, mode: str, n_options: int | None = None, maps=None) -> np.ndarray | float:
+        """Calibrated :func:`readout` (``logits`` one array or a list of per-ordering arrays;
+        ``maps`` as there)."""
         arrs = _orderings(logits)
         if n_options is None and qtype in BANDED_QTYPES:
             n_options = arrs[0].shape[0]
-        return readout(arrs, qtype, mode, self.temperature(qtype, mode, n_options))
+        return readout(arrs, qtype, mode, self.temperature(qtype, mode, n_options), maps)
 
     def describe(self) -> dict[str, Any]:
         """Short JSON-ready status, e.g. for the server's ``/health``."""

@@ -1,7 +1,7 @@
 """Label codes: the single tokens a Mode A readout reads, one per offered candidate.
 
 Letters A, B, C, ... then AA, AB, ... for choice options and score levels; Yes/No for a binary noul;
-digits 0-8 for a rating noul. A code counts only if appending it to the answer context adds exactly
+digits 0-8 for a rating noul (the code sets are in lev_jax.domain). A code counts only if appending it to the answer context adds exactly
 one token to the encoding of that context: a code that splits is skipped, never read.
 """
 from __future__ import annotations
@@ -9,11 +9,6 @@ from __future__ import annotations
 import itertools
 import string
 
-LETTER = "letter"
-BINARY = "binary"
-RATING = "rating"
-YES_NO = ("Yes", "No")
-RATING_CODES = tuple(str(i) for i in range(9))
 MAX_LETTER_CODES = 702  # A..Z and AA..ZZ
 
 

@@ -36,6 +36,7 @@ Conventions (fixed here, so every caller agrees)
 
 from __future__ import annotations
 
+import warnings
 import math
 from pathlib import Path
 from typing import Any, Mapping, Sequence, Union
@@ -368,6 +369,7 @@ def reliability_diagram_png(bins: Sequence[Mapping[str, Any]], path: str | Path,
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
+        warnings.warn("PNG plot skipped: matplotlib is not installed (pip install 'lev-jax[plot]')", stacklevel=2)
         return None
     bins = list(bins)
     if not bins:

@@ -49,12 +49,12 @@ def score_text(instructions: str, levels: list[str], codes: list[str]) -> str:
 
 
 def _noul_criteria(criteria) -> list[str]:
-    criteria = criteria or {}
+    criteria = criteria or {}  # {"true": ..., "false": ...} (the wire's shape; readout.plan normalises)
     out = []
-    if criteria.get("yes"):
-        out.append(f"Yes means: {render_value(criteria['yes'])}")
-    if criteria.get("no"):
-        out.append(f"No means: {render_value(criteria['no'])}")
+    if criteria.get("true"):
+        out.append(f"Yes means: {render_value(criteria['true'])}")
+    if criteria.get("false"):
+        out.append(f"No means: {render_value(criteria['false'])}")
     return out
 
 

@@ -31,7 +31,7 @@ import lev_jax
 from lev_jax import buckets
 from lev_jax.loaders.gguf import embedded_default_path
 from scripts.bench_forward import matmul_ceiling
-from scripts.torch_reference import transformers_gguf_model
+from lev_jax.bench.torch_reference import transformers_gguf_model
 
 STATE = (
     "Customer support ticket #48213, opened 2026-11-28 via the mobile app. The customer, a premium "
@@ -105,16 +105,17 @@ def device_flops(engine, plan) -> float:
     """FLOPs of the padded device work predict() does for a plan: the prefill bucket, the header
     segment calls when it shares question headers, and every row call."""
     cfg = engine.backbone.config
-    rows = [r for _, _, rs, _ in plan.questions for ro in rs for r in ro.rows]
+    rows = plan.rows
     pb = buckets.fit(len(plan.prefix_ids), buckets.PREFIX[1:], "prefix")
     total = cfg.flops_per_token(pb / 2) * pb
-    seg = engine._segment_plan(rows)
+    seg = engine.executor.segment_plan(rows)
     sg = 0
     if seg is not None:
-        headers, _, rows = seg
-        sg, seg_calls = engine._segment_calls(headers)
+        rows = seg.rest
+        sg, seg_calls = engine.executor.segment_calls(seg.headers)
         total += sum(b * sg * cfg.flops_per_token(pb + sg / 2) for _, b in seg_calls)
-    return total + sum(b * t * cfg.flops_per_token(pb + sg + t / 2) for _, b, t, _ in engine._calls(rows))
+    return total + sum(c.batch * c.length * cfg.flops_per_token(pb + sg + c.length / 2)
+                       for c in engine.executor.calls(rows))
 
 
 def main(argv=None):
@@ -134,13 +135,13 @@ def main(argv=None):
           f"({torch.get_num_threads()} threads); dtypes {dtypes} (lev-jax bf16: bf16 weights and matmul inputs, "
           f"fp32 accumulation and residual stream; transformers bf16: the model cast to bf16)")
     engine0 = next(iter(engines.values()))
-    plan0 = engine0._plan(STATE, questions(1))
+    plan0 = engine0.plan(STATE, questions(1))
     print(f"state prefix: {len(plan0.prefix_ids)} tokens (chat header + state)")
     cold_ms = {d: {} for d in dtypes}
     for n in ns:
         qs = questions(n)
-        plan = engine0._plan(STATE, qs)
-        rows = [r for _, _, rs, _ in plan.questions for ro in rs for r in ro.rows]
+        plan = engine0.plan(STATE, qs)
+        rows = plan.rows
         theirs = refs[dtypes[0]].fork(plan.prefix_ids, rows)  # same prompts, same numbers: check agreement once
         t_ref = {}
         for d, ref in refs.items():
@@ -151,7 +152,7 @@ def main(argv=None):
         print(f"N={n:2d} rows={len(rows):2d} transformers ms: "
               + " ".join(f"{m}/{d[:4]} {t:8.1f}" for (m, d), t in t_ref.items()) + f" | fastest {'/'.join(fastest)}")
         for d in dtypes:
-            ours = colds[d]._read(plan.prefix_ids, rows)
+            ours = colds[d].executor.read([(plan.prefix_ids, rows)], [lev_jax.readout.Usage()])[0]
             diff = max(float(np.abs(a - b.float().numpy()).max()) for a, b in zip(ours, theirs))
             t_pred = best_ms(lambda d=d: colds[d].predict(STATE, qs), args.repeats)
             t_warm = best_ms(lambda d=d: engines[d].predict(STATE, qs), args.repeats)

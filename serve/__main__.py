@@ -1,5 +1,9 @@
-"""python -m serve [--model PATH] [--checkpoint PATH] [--prompt-style chat|plain] [--host 127.0.0.1]
-[--port 8000] [--max-pending N] [--max-batch-tokens N] [--timeout S]; API keys from $LEV_API_KEYS."""
+"""``python -m serve [--model PATH] [--port 8000] ...`` from the repository root (installed: ``lev serve``).
+A thin wrapper: the server and its options are :mod:`lev_jax.server` (``python -m serve --help``)."""
+
+import sys
+
 from lev_jax.server.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":
+    sys.exit(main(prog="python -m serve"))

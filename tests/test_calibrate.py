@@ -9,6 +9,7 @@ import pytest
 
 from lev_jax import calibrate as C
 from lev_jax import metrics as M
+from lev_jax.domain import band_of
 
 DATE1 = dt.datetime(2025, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
 DATE2 = dt.datetime(2025, 2, 3, 4, 5, 6, tzinfo=dt.timezone.utc)
@@ -42,9 +43,9 @@ def bucket(cal, key):
 
 
 def test_option_bands():
-    assert [C.option_band(n) for n in (1, 8, 9, 26, 27, 500)] == ["small", "small", "mid", "mid", "large", "large"]
+    assert [band_of(n) for n in (1, 8, 9, 26, 27, 500)] == ["small", "small", "mid", "mid", "large", "large"]
     with pytest.raises(ValueError):
-        C.option_band(0)
+        band_of(0)
 
 
 @pytest.mark.parametrize(

@@ -29,11 +29,6 @@ Q = gguf.GGMLQuantizationType
 
 
 @pytest.fixture(scope="module")
-def gguf_path():
-    return embedded_default_path()
-
-
-@pytest.fixture(scope="module")
 def ckpt(gguf_path) -> GGUFCheckpoint:
     return read_gguf(gguf_path)
 

@@ -13,7 +13,7 @@ from lev_jax.bench import harness as H
 from lev_jax.bench import sweep as S
 from lev_jax.bench.clients import HttpClient, InProcessClient
 from lev_jax.bench.cli import main
-from lev_jax.bench.evalset import EvalSet, EvalSetError, answer_row, gold_index, to_engine, to_wire
+from lev_jax.bench.evalset import EvalSet, EvalSetError, answer_row, gold_index, to_wire
 from lev_jax.data.registry import get_spec
 from lev_jax.testing import tiny_backbone
 
@@ -122,11 +122,11 @@ def test_evalset_checks_and_sampling():
         with pytest.raises(EvalSetError):
             EvalSet.from_dict({"questions": q, "items": [{"state": "x", "labels": bad}]}, "t")
     assert gold_index(q["c"], "b") == 1 and gold_index(q["n"], True) == 0 and gold_index(q["n"], False) == 1
-    assert to_engine(q["n"])["criteria"] == {"yes": "y", "no": "n"}
+    assert to_wire(q["n"])["criteria"] == {"true": "y", "false": "n"}
     assert to_wire({"type": "noul", "instructions": "Q", "criteria": {"yes": "y", "no": None}}) == {
         "type": "noul", "instructions": "Q", "criteria": {"true": "y"}}
-    assert to_engine({"type": "score", "instructions": {"k": 1}, "criteria": [{"x": 1}, "b"]}) == {
-        "type": "score", "instructions": '{"k": 1}', "criteria": ['{"x": 1}', "b"]}
+    assert to_wire({"type": "score", "instructions": {"k": 1}, "criteria": [{"x": 1}, "b"]}) == {
+        "type": "score", "instructions": {"k": 1}, "criteria": [{"x": 1}, "b"]}  # predict() renders structured text
     assert answer_row(q["n"], {"type": "noul", "noul": 0.25}) == [0.25, 0.75]
     row = answer_row(q["c"], {"type": "choice", "probabilities": {"b": 0.6, "a": 0.4}})
     assert row == pytest.approx([0.4, 0.6])
@@ -172,7 +172,7 @@ def test_in_process_matches_predict_and_replays_baseline(engine, profile):
     cal_engine = lev_jax.Engine(engine.backbone, calibration=profile)
     both = InProcessClient(cal_engine, baseline=calibrate.Calibration.identity(), readouts=True)
     for it in es.items:
-        qs = {k: to_engine(q) for k, q in es.questions_for(it).items()}
+        qs = {k: to_wire(q) for k, q in es.questions_for(it).items()}
         a = plain.ask(it["state"], es.questions_for(it))
         b = both.ask(it["state"], es.questions_for(it))
         assert a.answers == engine.predict(it["state"], qs)  # exactly what predict() returns

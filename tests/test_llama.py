@@ -18,8 +18,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    return lev_jax.load_backbone()
+def smollm2(embedded):
+    return embedded
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ import pytest
 
 import lev_jax
 from lev_jax import RequestError, TokenLimitError, buckets
+from lev_jax.readout import compose
 from lev_jax.testing import tiny_backbone
 
 STATE = {"customer": "Ann Lee", "message": "My parcel never arrived and I was charged twice. Fix it now!",
@@ -20,7 +21,7 @@ def _questions():
         "urgency": {"type": "score", "instructions": "How urgent is this ticket?",
                     "criteria": ["not urgent", "somewhat urgent", "urgent", "critical"]},
         "angry": {"type": "noul", "instructions": "Is the customer angry?",
-                  "criteria": {"yes": "insults, threats, exclamation", "no": "calm"}},
+                  "criteria": {"true": "insults, threats, exclamation", "false": "calm"}},
         "vip": {"type": "noul", "instructions": "Is this a VIP customer?"},
     }
 
@@ -73,8 +74,8 @@ def test_equals_independent_full_forwards(engine_name, request):
     _assert_close(fast, engine.predict(STATE, _questions(), reference=True))
 
 
-def test_equals_reference_on_the_embedded_model():
-    engine = lev_jax.load(calibration=None)
+def test_equals_reference_on_the_embedded_model(embedded):
+    engine = lev_jax.load(embedded, calibration=None)
     qs = _questions()
     fast = engine.predict(STATE, qs)
     _assert_close(fast, engine.predict(STATE, qs, reference=True))
@@ -158,7 +159,7 @@ def test_choice_sizes(tiny, k):
 
 def test_more_options_than_codes_are_grouped_and_composed(tiny):
     engine = lev_jax.Engine(tiny.backbone)
-    engine.group_size = 26  # as with a tokenizer that has only single letters
+    engine.planner.group_size = 26  # as with a tokenizer that has only single letters
     qs = {"c": {"type": "choice", "instructions": "Which?", "criteria": {f"o{i}": None for i in range(100)}}}
     fast = engine.predict("state", qs)
     _check_well_formed(fast)
@@ -177,7 +178,8 @@ def test_score_levels(tiny, levels):
     assert ans["confidence"] == pytest.approx(max(0.0, 1 - float((p * np.abs(np.arange(levels) - mode)).sum()) / spread))
 
 
-@pytest.mark.parametrize("criteria", [None, {"yes": "it is"}, {"no": "it is not"}, {"yes": "a", "no": "b"}])
+@pytest.mark.parametrize("criteria", [None, {"true": "it is"}, {"false": "it is not"}, {"true": "a", "false": "b"},
+                                      {"yes": "a", "no": "b"}, {"true": {"k": ["structured"]}, "false": None}])
 def test_noul_criteria_forms(tiny, criteria):
     q = {"type": "noul", "instructions": "Is it raining?"}
     if criteria is not None:
@@ -213,7 +215,9 @@ def test_token_limits_are_checked_before_any_work(tiny):
     ({"c": {"type": "choice", "instructions": "", "criteria": {str(i): None for i in range(256)}}}, "2-255"),
     ({"s": {"type": "score", "instructions": "", "criteria": {"low": 0, "high": 1}}}, "list of 2-10"),
     ({"s": {"type": "score", "instructions": "", "criteria": [str(i) for i in range(11)]}}, "list of 2-10"),
-    ({"n": {"type": "noul", "instructions": "", "criteria": {"maybe": "x"}}}, "'yes' and/or 'no'"),
+    ({"n": {"type": "noul", "instructions": "", "criteria": {"maybe": "x"}}}, "'true' and/or 'false'"),
+    ({"n": {"type": "noul", "instructions": "", "criteria": {"yes": "x", "true": "y"}}}, "'true' and/or 'false'"),
+    ({"n": {"type": "noul", "instructions": 5}}, "instructions must be a string, an object or an array"),
 ])
 def test_bad_questions_are_clear_errors(tiny, questions, message):
     with pytest.raises(RequestError, match=message):
@@ -227,7 +231,7 @@ def test_buckets_cover_the_limits():
     assert buckets.fit(2 * chunk + 1, buckets.PREFIX, "x") == 3 * chunk
     with pytest.raises(ValueError):
         buckets.fit(10**6, buckets.PREFIX, "prefix")
-    assert math.isclose(lev_jax.engine.choice_confidence(np.array([1.0])), 1.0)
+    assert math.isclose(compose.choice_confidence(np.array([1.0])), 1.0)
 
 
 def test_state_prefix_is_reused_across_requests(tiny):
@@ -269,13 +273,12 @@ def test_rows_are_split_into_even_calls_within_the_per_call_budget(tiny, monkeyp
     qs = {f"n{i}": {"type": "noul", "instructions": f"Is fact number {i} true?"} for i in range(10)}  # 20 rows
     whole = tiny.predict("facts", qs)
     monkeypatch.setitem(buckets.ROW_TOKENS_PER_CALL, tiny.platform, 128)
-    plan = tiny.plan("facts", qs)
-    rows = [r for _, _, rs, _ in plan.questions for ro in rs for r in ro.rows]
-    calls = tiny._calls(rows)
+    rows = tiny.plan("facts", qs).rows
+    calls = tiny.executor.calls(rows)
     assert len(calls) > 1
-    assert sorted(i for g, _, _, _ in calls for i in g) == list(range(len(rows)))
-    assert all(b * t <= 128 and len(g) <= b for g, b, t, _ in calls)
-    sizes = [len(g) for g, _, _, _ in calls]
+    assert sorted(i for c in calls for i in c.rows) == list(range(len(rows)))
+    assert all(c.batch * c.length <= 128 and len(c.rows) <= c.batch for c in calls)
+    sizes = [len(c.rows) for c in calls]
     assert max(sizes) - min(sizes) <= 1  # spread evenly, not a full call and a remainder
     _assert_close(tiny.predict("facts", qs), whole)
 

@@ -1,6 +1,7 @@
 """The HTTP server over a real (tiny, random) model, served by uvicorn on loopback: every error of
 docs/API.md, compression, multipart and images, auth, request ids, the token budget, 429/504,
 client disconnects, /health, /metrics and the OpenAPI document."""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +12,7 @@ import json
 import httpx
 import pytest
 import zstandard
+from prometheus_client.parser import text_string_to_metric_families
 
 import lev_jax
 from lev_jax.server import ServerConfig, create_app
@@ -20,7 +22,11 @@ from lev_jax.testing import save_tiny_checkpoint
 PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 64
 KEY = "sk-test-key"
 NOUL = {"type": "noul", "instructions": "Is the customer asking for money back?"}
-CHOICE = {"type": "choice", "instructions": "Which team?", "criteria": {"Billing": "Payments", "Technical": None, "Sales": ["x"]}}
+CHOICE = {
+    "type": "choice",
+    "instructions": "Which team?",
+    "criteria": {"Billing": "Payments", "Technical": None, "Sales": ["x"]},
+}
 SCORE = {"type": "score", "instructions": "How angry?", "criteria": ["Calm", {"label": "Angry"}, "Furious"]}
 
 
@@ -51,6 +57,15 @@ def post(s, payload, headers=None, **kw):
     return httpx.post(s.url + "/v1/systemone", content=data, headers=h, timeout=60, **kw)
 
 
+def metric_samples(text: str) -> dict[tuple[str, frozenset], float]:
+    """/metrics text -> {(sample name, label set): value}, read by prometheus-client's own parser."""
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
 def assert_error(r, status, error_type, fragment=""):
     assert r.status_code == status, r.text
     assert r.headers["content-type"].startswith("application/json")
@@ -61,6 +76,7 @@ def assert_error(r, status, error_type, fragment=""):
 
 
 # ---------------------------------------------------------------- answers
+
 
 def test_answers_every_type(server, engine):
     state = "A state no other test sends."
@@ -81,14 +97,55 @@ def test_answers_every_type(server, engine):
     assert r.headers["x-typesafe-request-id"].startswith("req_")
 
 
+def test_questions_reach_the_engine_in_the_wire_shape(server, engine):
+    """A question copied from the HTTP request works in Python unchanged, and reads the same rows as
+    the engine-side shape the server used to translate it into (instructions and levels rendered as
+    sorted-key JSON, noul criteria keyed yes/no): the answers are the ones served before."""
+    state = {"ticket": "Charged twice, no refund yet.", "plan": "pro"}
+    wire_questions = {
+        "refund": {
+            "type": "noul",
+            "instructions": {"ask": "money back?", "lang": "en"},
+            "criteria": {"true": {"means": ["refund", "chargeback"]}, "false": None},
+        },
+        "angry": {"type": "noul", "instructions": "Angry?", "criteria": {"false": "calm"}},
+        "team": {"type": "choice", "instructions": ["route", "it"], "criteria": {"Billing": {"k": 1}, "Other": None}},
+        "level": {"type": "score", "instructions": "How urgent?", "criteria": ["low", {"label": "high"}]},
+    }
+    translated = {  # what the server handed the engine before questions kept the wire shape
+        "refund": {
+            "type": "noul",
+            "instructions": '{"ask": "money back?", "lang": "en"}',
+            "criteria": {"yes": {"means": ["refund", "chargeback"]}},
+        },
+        "angry": {"type": "noul", "instructions": "Angry?", "criteria": {"no": "calm"}},
+        "team": {"type": "choice", "instructions": '["route", "it"]', "criteria": {"Billing": {"k": 1}, "Other": None}},
+        "level": {"type": "score", "instructions": "How urgent?", "criteria": ["low", '{"label": "high"}']},
+    }
+    rows = lambda questions: [r.tokens for r in engine.plan(state, questions).rows]
+    assert rows(wire_questions) == rows(translated)
+    served = post(server, body(wire_questions, state=state))
+    assert served.status_code == 200, served.text
+    direct = engine.predict(state, wire_questions)
+    for qid, a in served.json()["answers"].items():
+        b = direct[qid]
+        if a["type"] == "noul":
+            assert abs(a["noul"] - b["noul"]) < 1e-5
+        else:
+            assert a["probabilities"].keys() == b["probabilities"].keys()
+            assert all(abs(a["probabilities"][k] - b["probabilities"][k]) < 1e-5 for k in a["probabilities"])
+
+
 def test_served_model_name_is_accepted_too(server, engine):
     assert post(server, {**body(), "model": engine.model_name}).status_code == 200
 
 
 def test_answers_do_not_depend_on_batching(server):
     """Concurrent requests share device calls; each must get the answer it gets alone."""
-    reqs = [body({"refund": NOUL, "team": CHOICE, "anger": SCORE}, state=f"Ticket {i}: " + "please help " * i)
-            for i in range(8)]
+    reqs = [
+        body({"refund": NOUL, "team": CHOICE, "anger": SCORE}, state=f"Ticket {i}: " + "please help " * i)
+        for i in range(8)
+    ]
     alone = [post(server, r).json()["answers"] for r in reqs]
 
     async def together():
@@ -108,13 +165,21 @@ def test_answers_do_not_depend_on_batching(server):
 
 # ---------------------------------------------------------------- errors
 
+
 def test_unknown_model(server):
     r = post(server, {**body(), "model": "gpt-7"})
-    assert r.status_code == 400 and r.json() == {"detail": {"error_type": "api_usage_error", "message": "Unknown model: gpt-7"}}
+    assert r.status_code == 400 and r.json() == {
+        "detail": {"error_type": "api_usage_error", "message": "Unknown model: gpt-7"}
+    }
 
 
 def test_box_questions_are_400(server):
-    assert_error(post(server, body({"dog": {"type": "box", "instructions": "The dog"}})), 400, "api_usage_error", "cannot locate boxes")
+    assert_error(
+        post(server, body({"dog": {"type": "box", "instructions": "The dog"}})),
+        400,
+        "api_usage_error",
+        "cannot locate boxes",
+    )
 
 
 def test_validation_errors_are_fastapi_shaped(server):
@@ -160,10 +225,13 @@ def test_timeout_is_504(engine):
 
 def test_full_queue_is_429_with_retry_after(engine):
     with ThreadServer(create_app(engine, ServerConfig(max_pending=2, batch_wait_ms=20))) as s:
+
         async def burst():
             async with httpx.AsyncClient(timeout=60) as c:
-                return await asyncio.gather(*(c.post(s.url + "/v1/systemone", json=body(state=f"s{i}"))
-                                              for i in range(24)))
+                return await asyncio.gather(
+                    *(c.post(s.url + "/v1/systemone", json=body(state=f"s{i}")) for i in range(24))
+                )
+
         rs = asyncio.run(burst())
         codes = [r.status_code for r in rs]
         assert set(codes) <= {200, 429} and 200 in codes and 429 in codes, codes
@@ -175,8 +243,10 @@ def test_full_queue_is_429_with_retry_after(engine):
 
 # ---------------------------------------------------------------- encodings, multipart, images
 
-@pytest.mark.parametrize("encoding,encode", [("zstd", lambda b: zstandard.ZstdCompressor().compress(b)),
-                                             ("gzip", gzip.compress)])
+
+@pytest.mark.parametrize(
+    "encoding,encode", [("zstd", lambda b: zstandard.ZstdCompressor().compress(b)), ("gzip", gzip.compress)]
+)
 def test_compressed_bodies(server, encoding, encode):
     payload = body({"team": CHOICE}, state="A long ticket. " * 200)
     plain = post(server, payload).json()
@@ -187,12 +257,17 @@ def test_compressed_bodies(server, encoding, encode):
 
 def test_bad_compression_is_400_and_unknown_encoding_415(server):
     assert_error(post(server, b"not zstd", {"content-encoding": "zstd"}), 400, "api_usage_error", "zstd")
-    assert_error(post(server, gzip.compress(b"{}"), {"content-encoding": "br"}), 415, "api_usage_error", "Content-Encoding")
+    assert_error(
+        post(server, gzip.compress(b"{}"), {"content-encoding": "br"}), 415, "api_usage_error", "Content-Encoding"
+    )
 
 
 def test_inline_images_are_refused_by_a_text_only_model(server, engine):
-    payload = body({"q": {"type": "noul", "instructions": "Is <image:1> damaged?"}}, state="Photo: <image:1>",
-                   assets={"<image:1>": {"type": "image", "format": "png", "data_base64": base64.b64encode(PNG).decode()}})
+    payload = body(
+        {"q": {"type": "noul", "instructions": "Is <image:1> damaged?"}},
+        state="Photo: <image:1>",
+        assets={"<image:1>": {"type": "image", "format": "png", "data_base64": base64.b64encode(PNG).decode()}},
+    )
     assert_error(post(server, payload), 400, "api_usage_error", "text-only")
     r = post(server, payload)
     assert "state" in r.json()["detail"]["message"] and "questions.q.instructions" in r.json()["detail"]["message"]
@@ -214,18 +289,29 @@ def test_multipart_images_via_the_sdk(server):
 
 def test_multipart_without_assets_is_400(server):
     boundary = "xyz"
-    data = (f'--{boundary}\r\nContent-Disposition: form-data; name="request"\r\nContent-Type: application/json\r\n\r\n'
-            + json.dumps(body()) + f'\r\n--{boundary}\r\nContent-Disposition: form-data; name="asset-0"; filename="a"\r\n'
-            f'Content-Type: image/png\r\n\r\n').encode() + PNG + f"\r\n--{boundary}--\r\n".encode()
+    data = (
+        (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="request"\r\nContent-Type: application/json\r\n\r\n'
+            + json.dumps(body())
+            + f'\r\n--{boundary}\r\nContent-Disposition: form-data; name="asset-0"; filename="a"\r\n'
+            f"Content-Type: image/png\r\n\r\n"
+        ).encode()
+        + PNG
+        + f"\r\n--{boundary}--\r\n".encode()
+    )
     r = post(server, data, {"content-type": f"multipart/form-data; boundary={boundary}"})
     assert_error(r, 400, "api_usage_error", "not claimed")
     # a multipart body without images is just a request
-    data = (f'--{boundary}\r\nContent-Disposition: form-data; name="request"\r\n\r\n'
-            + json.dumps(body()) + f"\r\n--{boundary}--\r\n").encode()
+    data = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="request"\r\n\r\n'
+        + json.dumps(body())
+        + f"\r\n--{boundary}--\r\n"
+    ).encode()
     assert post(server, data, {"content-type": f"multipart/form-data; boundary={boundary}"}).status_code == 200
 
 
 # ---------------------------------------------------------------- auth
+
 
 def test_auth(authed):
     ok = post(authed, body(), {"authorization": f"Bearer {KEY}"})
@@ -254,15 +340,20 @@ def test_api_keys_from_env():
 
 # ---------------------------------------------------------------- client disconnects
 
+
 def test_requests_whose_client_left_are_cancelled(engine):
-    heavy = {f"q{i}": {"type": "choice", "instructions": f"Question {i}?", "criteria": {f"opt {j}": None for j in range(12)}}
-             for i in range(8)}
+    heavy = {
+        f"q{i}": {"type": "choice", "instructions": f"Question {i}?", "criteria": {f"opt {j}": None for j in range(12)}}
+        for i in range(8)
+    }
     with ThreadServer(create_app(engine, ServerConfig(max_batch_rows=1))) as s:
         post(s, body(heavy, state="warm " * 300))  # compile the shapes first
 
         async def abandon():
             async with httpx.AsyncClient(timeout=httpx.Timeout(0.15)) as c:
-                tasks = [c.post(s.url + "/v1/systemone", json=body(heavy, state=f"{i} " + "words " * 300)) for i in range(12)]
+                tasks = [
+                    c.post(s.url + "/v1/systemone", json=body(heavy, state=f"{i} " + "words " * 300)) for i in range(12)
+                ]
                 return await asyncio.gather(*tasks, return_exceptions=True)
 
         rs = asyncio.run(abandon())
@@ -273,14 +364,15 @@ def test_requests_whose_client_left_are_cancelled(engine):
                 break
             asyncio.run(asyncio.sleep(0.05))
         assert h["in_flight"] == 0
-        m = httpx.get(s.url + "/metrics").text
-        cancelled = int(next(l for l in m.splitlines() if l.startswith("lev_cancelled_requests_total")).split()[1])
-        rows = float(next(l for l in m.splitlines() if l.startswith("lev_batch_rows_sum")).split()[1])
+        m = metric_samples(httpx.get(s.url + "/metrics").text)
+        cancelled = m[("lev_cancelled_requests_total", frozenset())]
+        rows = m[("lev_batch_rows_sum", frozenset())]
         assert cancelled >= 1
         assert rows < 13  # abandoned requests that had not started never reached the device
 
 
 # ---------------------------------------------------------------- health, metrics, models, OpenAPI
+
 
 def test_models(server, engine):
     r = httpx.get(server.url + "/v1/models")
@@ -293,8 +385,20 @@ def test_models(server, engine):
 
 def test_health(server, engine):
     h = httpx.get(server.url + "/health").json()
-    for k in ("model", "checkpoint", "prompt_style", "calibrated", "mode_b", "noul_readout", "option_cap",
-              "in_flight", "max_pending", "compiled_programs", "buckets", "uptime_s"):
+    for k in (
+        "model",
+        "checkpoint",
+        "prompt_style",
+        "calibrated",
+        "mode_b",
+        "noul_readout",
+        "option_cap",
+        "in_flight",
+        "max_pending",
+        "compiled_programs",
+        "buckets",
+        "uptime_s",
+    ):
         assert k in h, k
     assert h["status"] == "ok" and h["model"] == engine.model_name and h["max_pending"] == 64
     assert h["option_cap"] == 255
@@ -306,11 +410,33 @@ def test_metrics(server):
     r = httpx.get(server.url + "/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
     t = r.text
-    assert 'lev_http_requests_total{method="POST",route="/v1/systemone",status="200"}' in t
-    assert 'lev_http_requests_total{method="POST",route="/v1/systemone",status="400"}' in t
-    for name in ("lev_http_request_duration_seconds_bucket", "lev_queue_depth", "lev_batch_rows_bucket",
-                 "lev_input_tokens_total", "lev_in_flight", "lev_compiled_programs"):
+    m = metric_samples(t)
+    route = ("route", "/v1/systemone")
+    for status in ("200", "400"):
+        assert m[("lev_http_requests_total", frozenset({("method", "POST"), route, ("status", status)}))] >= 1
+    for name in (
+        "lev_http_request_duration_seconds_bucket",
+        "lev_queue_depth",
+        "lev_batch_rows_bucket",
+        "lev_input_tokens_total",
+        "lev_in_flight",
+        "lev_compiled_programs",
+    ):
         assert name in t, name
+    assert m[("lev_max_pending", frozenset())] == 64
+    assert m[("lev_compiled_programs", frozenset())] >= 1
+    assert "_created" not in t  # the 0.0.4 text keeps the series it always had
+
+
+def test_each_app_counts_its_own_metrics(engine):
+    """Every app has its own registry: two servers in one process do not share counters."""
+    with ThreadServer(create_app(engine, ServerConfig(max_pending=5))) as a, ThreadServer(create_app(engine)) as b:
+        assert post(a, body()).status_code == 200
+        ma = metric_samples(httpx.get(a.url + "/metrics").text)
+        mb = metric_samples(httpx.get(b.url + "/metrics").text)
+    assert ma[("lev_answered_requests_total", frozenset())] == 1
+    assert mb[("lev_answered_requests_total", frozenset())] == 0
+    assert ma[("lev_max_pending", frozenset())] == 5 and mb[("lev_max_pending", frozenset())] == 64
 
 
 def test_openapi_document_describes_the_contract(server):
@@ -335,9 +461,12 @@ def test_openapi_document_describes_the_contract(server):
 
 # ---------------------------------------------------------------- server faults
 
+
 class FaultyEngine:
     """The real engine, with a fault injected: a state of "explode" breaks planning, and one of
     "explode later" breaks the device call. Server bugs are 500s with a request id and a JSON body."""
+
+    supports_images = False
 
     def __init__(self, engine):
         self._engine = engine
@@ -348,10 +477,10 @@ class FaultyEngine:
             raise RuntimeError("injected fault")
         return self._engine.plan(state, questions)
 
-    def predict_many(self, requests):
+    def predict_many(self, requests, *, with_usage=False):
         if any(plan.state_text == "explode later" for plan, _ in requests):
             raise RuntimeError("injected device fault")
-        return self._engine.predict_many(requests)
+        return self._engine.predict_many(requests, with_usage=with_usage)
 
     def info(self):
         raise RuntimeError("info is broken too")
@@ -360,12 +489,29 @@ class FaultyEngine:
 def test_server_faults_are_500_with_the_error_shape(engine):
     with ThreadServer(create_app(FaultyEngine(engine), ServerConfig(batch_wait_ms=30))) as s:
         assert_error(post(s, body(state="explode")), 500, "internal_error", "req_")
+
         async def batch():
             async with httpx.AsyncClient(timeout=60) as c:
-                return await asyncio.gather(c.post(s.url + "/v1/systemone", json=body(state="explode later")),
-                                            c.post(s.url + "/v1/systemone", json=body(state="fine")))
+                return await asyncio.gather(
+                    c.post(s.url + "/v1/systemone", json=body(state="explode later")),
+                    c.post(s.url + "/v1/systemone", json=body(state="fine")),
+                )
+
         bad, good = asyncio.run(batch())
         assert_error(bad, 500, "internal_error")
         assert good.status_code == 200  # the failing request did not take its batch neighbour down
         h = httpx.get(s.url + "/health")
         assert h.status_code == 200 and h.json()["status"] == "ok"  # health survives a broken info()
+
+
+def test_a_non_engine_is_refused_at_startup(engine):
+    assert isinstance(engine, lev_jax.DecisionEngine) and isinstance(FaultyEngine(engine), lev_jax.DecisionEngine)
+
+    class NoImages:  # an engine from before `supports_images` was part of the protocol
+        model_name = "m"
+        plan = predict_many = info = staticmethod(lambda *a, **k: None)
+
+    with pytest.raises(TypeError, match=r"DecisionEngine .* NoImages lacks supports_images$"):
+        create_app(NoImages())
+    with pytest.raises(TypeError, match="lacks model_name, supports_images, plan, predict_many, info"):
+        create_app(object())

@@ -8,6 +8,7 @@ document matches the behaviour.
 - Arbitrary bytes and JSON must get a 4xx (or an answer), never a 5xx.
 The server (uvicorn over a real tiny model) must still be healthy at the end.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,9 @@ INVALID_EXAMPLES = 1100
 RANDOM_EXAMPLES = 300
 COUNTS = {"valid": 0, "invalid": 0, "random": 0, "statuses": {}}
 
-SETTINGS = dict(deadline=None, database=None, derandomize=True, print_blob=True,
-                suppress_health_check=list(HealthCheck))
+SETTINGS = dict(
+    deadline=None, database=None, derandomize=True, print_blob=True, suppress_health_check=list(HealthCheck)
+)
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +51,17 @@ def server(tmp_path_factory):
 # ---------------------------------------------------------------- JSON Schema -> strategies
 
 SMALL_JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-1000, 1000) | st.floats(allow_nan=False, allow_infinity=False, width=32)
+    st.none()
+    | st.booleans()
+    | st.integers(-1000, 1000)
+    | st.floats(allow_nan=False, allow_infinity=False, width=32)
     | st.text(max_size=12),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
-    max_leaves=3)
+    max_leaves=3,
+)
 # Size caps (within the schema's ranges) that keep the tiny model's shape buckets few: every new
 # bucket is a device-program compile (about a second on CPU), every known one a few milliseconds.
-CAP_PROPERTIES = 3   # free-form object keys, assets
+CAP_PROPERTIES = 3  # free-form object keys, assets
 CAP_BY_TITLE = {"Questions": 2, "Criteria": 3}  # questions per request; options per choice / levels per score
 CAP_STRING = 10
 MAX_PROGRAMS = 12  # distinct device programs the valid bodies may need (bodies needing more are not drawn)
@@ -130,7 +136,10 @@ class Schema:
                     out[name] = draw(subs[name])
             if extra:
                 lo = node.get("minProperties", 0)
-                hi = max(lo, min(node.get("maxProperties", CAP_PROPERTIES), CAP_BY_TITLE.get(node.get("title"), CAP_PROPERTIES)))
+                hi = max(
+                    lo,
+                    min(node.get("maxProperties", CAP_PROPERTIES), CAP_BY_TITLE.get(node.get("title"), CAP_PROPERTIES)),
+                )
                 out.update(draw(st.dictionaries(free_keys, free_values, min_size=max(0, lo - len(out)), max_size=hi)))
             return out
 
@@ -164,13 +173,44 @@ NOT_OBJECT = st.one_of(st.none(), st.integers(), st.text(max_size=5), st.lists(s
 def invalid_bodies(draw, server):
     doc = draw(valid_bodies(server))
     qid = draw(st.sampled_from(sorted(doc["questions"])))
-    kind = draw(st.sampled_from([
-        "not-object", "drop-model", "drop-state", "drop-questions", "model-type", "state-type", "questions-empty",
-        "questions-type", "question-type", "question-no-type", "question-bad-type", "question-extra", "instructions-type",
-        "choice-few", "choice-many", "choice-type", "choice-empty-key", "choice-description", "score-map",
-        "score-few", "score-many", "score-null", "score-number", "noul-criteria-type", "noul-criteria-key",
-        "noul-criteria-value", "empty-id", "assets-empty", "asset-type", "asset-format", "asset-nothing", "asset-extra",
-    ]))
+    kind = draw(
+        st.sampled_from(
+            [
+                "not-object",
+                "drop-model",
+                "drop-state",
+                "drop-questions",
+                "model-type",
+                "state-type",
+                "questions-empty",
+                "questions-type",
+                "question-type",
+                "question-no-type",
+                "question-bad-type",
+                "question-extra",
+                "instructions-type",
+                "choice-few",
+                "choice-many",
+                "choice-type",
+                "choice-empty-key",
+                "choice-description",
+                "score-map",
+                "score-few",
+                "score-many",
+                "score-null",
+                "score-number",
+                "noul-criteria-type",
+                "noul-criteria-key",
+                "noul-criteria-value",
+                "empty-id",
+                "assets-empty",
+                "asset-type",
+                "asset-format",
+                "asset-nothing",
+                "asset-extra",
+            ]
+        )
+    )
     q = {"type": "noul", "instructions": "Q?"}
     if kind == "not-object":
         return draw(st.one_of(st.lists(SMALL_JSON, max_size=2), NOT_TEXT, st.text(max_size=5), st.none()))
@@ -189,10 +229,21 @@ def invalid_bodies(draw, server):
     elif kind == "question-no-type":
         doc["questions"][qid] = {k: v for k, v in doc["questions"][qid].items() if k != "type"}
     elif kind == "question-bad-type":
-        doc["questions"][qid] = {**doc["questions"][qid], "type": draw(st.one_of(
-            st.text(max_size=8).filter(lambda t: t not in ("noul", "choice", "score", "box")), NOT_TEXT, st.none()))}
+        doc["questions"][qid] = {
+            **doc["questions"][qid],
+            "type": draw(
+                st.one_of(
+                    st.text(max_size=8).filter(lambda t: t not in ("noul", "choice", "score", "box")),
+                    NOT_TEXT,
+                    st.none(),
+                )
+            ),
+        }
     elif kind == "question-extra":
-        doc["questions"][qid] = {**doc["questions"][qid], draw(st.sampled_from(["instruction", "options", "x", "criterion"])): 1}
+        doc["questions"][qid] = {
+            **doc["questions"][qid],
+            draw(st.sampled_from(["instruction", "options", "x", "criterion"])): 1,
+        }
     elif kind == "instructions-type":
         doc["questions"][qid] = {**q, "instructions": draw(NOT_TEXT)}
     elif kind.startswith("choice-"):
@@ -209,11 +260,19 @@ def invalid_bodies(draw, server):
             crit = {"A": draw(NOT_TEXT), "B": None}
         doc["questions"][qid] = {"type": "choice", "instructions": "Which?", "criteria": crit}
     elif kind.startswith("score-"):
-        crit = {"score-map": {"0": "lo", "1": "hi"}, "score-few": ["only"], "score-many": [f"l{i}" for i in range(11)],
-                "score-null": ["lo", None, "hi"], "score-number": ["lo", draw(NOT_TEXT)]}[kind]
+        crit = {
+            "score-map": {"0": "lo", "1": "hi"},
+            "score-few": ["only"],
+            "score-many": [f"l{i}" for i in range(11)],
+            "score-null": ["lo", None, "hi"],
+            "score-number": ["lo", draw(NOT_TEXT)],
+        }[kind]
         doc["questions"][qid] = {"type": "score", "instructions": "How?", "criteria": crit}
     elif kind == "noul-criteria-type":
-        doc["questions"][qid] = {**q, "criteria": draw(st.one_of(NOT_TEXT, st.text(max_size=4), st.lists(st.none(), max_size=2)))}
+        doc["questions"][qid] = {
+            **q,
+            "criteria": draw(st.one_of(NOT_TEXT, st.text(max_size=4), st.lists(st.none(), max_size=2))),
+        }
     elif kind == "noul-criteria-key":
         doc["questions"][qid] = {**q, "criteria": {draw(st.sampled_from(["yes", "no", "True", "maybe"])): "x"}}
     elif kind == "noul-criteria-value":
@@ -223,13 +282,18 @@ def invalid_bodies(draw, server):
     elif kind == "assets-empty":
         doc["assets"] = {}
     else:
-        asset = {"asset-type": draw(NOT_OBJECT), "asset-format": {"format": "gif", "data_base64": "AA=="},
-                 "asset-nothing": {"type": "image"}, "asset-extra": {"part": "asset-0", "url": "http://x"}}[kind]
+        asset = {
+            "asset-type": draw(NOT_OBJECT),
+            "asset-format": {"format": "gif", "data_base64": "AA=="},
+            "asset-nothing": {"type": "image"},
+            "asset-extra": {"part": "asset-0", "url": "http://x"},
+        }[kind]
         doc["assets"] = {"img": asset}
     return doc
 
 
 # ---------------------------------------------------------------- the checks
+
 
 def send(server, payload) -> httpx.Response:
     data = payload if isinstance(payload, bytes) else json.dumps(payload, ensure_ascii=False).encode()
@@ -260,7 +324,7 @@ def within_compile_budget(server, doc) -> bool:
         return True
     try:
         req = wire.SystemOneRequest.model_validate(doc)
-        keys = programs(req.state, {k: wire.to_engine_question(q) for k, q in req.questions.items() if q.type != "box"})
+        keys = programs(req.state, {k: q.model_dump() for k, q in req.questions.items() if q.type != "box"})
     except Exception:  # noqa: BLE001 — not the engine's to answer (400/413): no compile either
         return True
     if keys - server.programs and len(server.programs | keys) > MAX_PROGRAMS:
@@ -310,10 +374,23 @@ def test_arbitrary_bytes_and_json_never_get_a_5xx(server):
     raw = st.one_of(
         st.binary(max_size=64),
         SMALL_JSON.map(lambda v: json.dumps(v).encode()),
-        st.builds(lambda s, cut: json.dumps({"model": "jev-latest", "state": s, "questions": {"q": {"type": "noul"}}}
-                                            ).encode()[:cut], st.text(max_size=8), st.integers(0, 80)),
-        st.sampled_from([b'{"model": "jev-latest", "state": NaN, "questions": {}}', b"\xff\xfe\x00", b"[" * 200,
-                         b'{"state": "\\ud800"}', b"null", b"{}"]),
+        st.builds(
+            lambda s, cut: json.dumps(
+                {"model": "jev-latest", "state": s, "questions": {"q": {"type": "noul"}}}
+            ).encode()[:cut],
+            st.text(max_size=8),
+            st.integers(0, 80),
+        ),
+        st.sampled_from(
+            [
+                b'{"model": "jev-latest", "state": NaN, "questions": {}}',
+                b"\xff\xfe\x00",
+                b"[" * 200,
+                b'{"state": "\\ud800"}',
+                b"null",
+                b"{}",
+            ]
+        ),
     )
 
     @settings(max_examples=RANDOM_EXAMPLES, **SETTINGS)

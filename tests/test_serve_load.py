@@ -2,6 +2,7 @@
 200 concurrent requests against max_pending=16. Every request gets 200 or 429 with Retry-After,
 none is lost or hangs, answers under load equal answers alone, clients that honour Retry-After all
 get their answers, and concurrency does not cost throughput."""
+
 from __future__ import annotations
 
 import asyncio

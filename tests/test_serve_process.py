@@ -4,6 +4,7 @@ compression on), and for a graceful shutdown that finishes what is in flight.
 
 The servers share an on-disk JAX compilation cache, so the second one does not recompile what the
 first one did."""
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -26,20 +27,26 @@ CONDITIONAL = {"auth.bearer", "auth.ignored-when-off"}  # exactly one of the two
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
-    return {"model": str(save_tiny_checkpoint(root / "tiny")), "env": compile_cache_env(root / "jax-cache"), "root": root}
+    return {
+        "model": str(save_tiny_checkpoint(root / "tiny")),
+        "env": compile_cache_env(root / "jax-cache"),
+        "root": root,
+    }
 
 
 @pytest.fixture(scope="module")
 def open_server(setup):
-    with ServerProcess(["--model", setup["model"], "--max-pending", "64"], env=setup["env"],
-                       log_path=setup["root"] / "open.log") as s:
+    with ServerProcess(
+        ["--model", setup["model"], "--max-pending", "64"], env=setup["env"], log_path=setup["root"] / "open.log"
+    ) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def keyed_server(setup):
-    with ServerProcess(["--model", setup["model"]], env=setup["env"], api_keys=f"other-key,{KEY}",
-                       log_path=setup["root"] / "keyed.log") as s:
+    with ServerProcess(
+        ["--model", setup["model"]], env=setup["env"], api_keys=f"other-key,{KEY}", log_path=setup["root"] / "keyed.log"
+    ) as s:
         yield s
 
 
@@ -55,8 +62,11 @@ def jevcompat(url: str, out, *extra: str) -> dict:
 
 def assert_all_pass(report: dict, allowed_skips: set[str]) -> None:
     results = {r["id"]: r for r in report["results"]}
-    bad = {rid: (r["status"], r.get("reason") or [f.get("message") for f in r.get("findings", [])])
-           for rid, r in results.items() if r["status"] != "pass" and rid not in allowed_skips}
+    bad = {
+        rid: (r["status"], r.get("reason") or [f.get("message") for f in r.get("findings", [])])
+        for rid, r in results.items()
+        if r["status"] != "pass" and rid not in allowed_skips
+    }
     assert report["summary"]["verdict"] == "conformant", report["_stdout"][-3000:]
     assert report["_rc"] == 0
     assert not bad, bad
@@ -87,13 +97,17 @@ def test_official_sdk_parses_every_answer_type_of_a_compressed_request(keyed_ser
 
     sent = []
     http = httpx2.Client(timeout=60, event_hooks={"request": [lambda r: sent.append(dict(r.headers))]})
-    state = {"ticket": "I was charged twice for my March invoice and the refund never came. " * 30,
-             "customer": {"plan": "pro", "tickets": 3}}
+    state = {
+        "ticket": "I was charged twice for my March invoice and the refund never came. " * 30,
+        "customer": {"plan": "pro", "tickets": 3},
+    }
     questions = {
         "refund": Noul(instructions="Is the customer asking for money back?"),
         "chargeback": Noul(criteria={"true": "The customer threatens a chargeback"}),
-        "team": Choice(instructions="Which team?", criteria={"Billing": "Payments", "Technical": None,
-                                                            "Sales": {"owns": ["upgrades"]}}),
+        "team": Choice(
+            instructions="Which team?",
+            criteria={"Billing": "Payments", "Technical": None, "Sales": {"owns": ["upgrades"]}},
+        ),
         "anger": Score(instructions="How frustrated?", criteria=["Calm", "Frustrated", {"label": "Very angry"}]),
     }
     with TypeSafeClient(api_key=KEY, base_url=keyed_server.url, http_client=http) as client:
@@ -149,7 +163,9 @@ def test_idle_connection_outlives_a_retry_after_wait(open_server):
                 assert chunk, f"the server closed the connection (request {attempt + 1})"
                 head += chunk
             assert head.startswith(b"HTTP/1.1 200"), head[:80]
-            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+            length = int(
+                next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+            )
             body = head.split(b"\r\n\r\n", 1)[1]
             while len(body) < length:
                 body += sock.recv(65536)
@@ -160,12 +176,22 @@ def test_idle_connection_outlives_a_retry_after_wait(open_server):
 def test_graceful_shutdown_finishes_requests_in_flight(open_server):
     """SIGTERM while requests are queued and running: every one of them is answered 200, then the
     process exits cleanly. (Runs last: it stops the module's open server.)"""
-    heavy = {f"q{i}": {"type": "choice", "instructions": f"Which queue, {i}?",
-                       "criteria": {f"Queue {j}": f"tickets of kind {j}" for j in range(12)}} for i in range(6)}
+    heavy = {
+        f"q{i}": {
+            "type": "choice",
+            "instructions": f"Which queue, {i}?",
+            "criteria": {f"Queue {j}": f"tickets of kind {j}" for j in range(12)},
+        }
+        for i in range(6)
+    }
     n = 24
 
     def ask(i):
-        payload = {"model": "jev-latest", "state": f"Ticket {i}. " + "The order never arrived. " * 40, "questions": heavy}
+        payload = {
+            "model": "jev-latest",
+            "state": f"Ticket {i}. " + "The order never arrived. " * 40,
+            "questions": heavy,
+        }
         return httpx.post(open_server.url + "/v1/systemone", json=payload, timeout=120)
 
     with concurrent.futures.ThreadPoolExecutor(n) as pool:

@@ -1,6 +1,7 @@
 """The micro-batching scheduler with an injected run_batch (the engine's predict_many contract):
 token-budget batching, bounded admission, cancellation, failure isolation, graceful drain; and the
 Prometheus exposition it feeds."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,6 +10,7 @@ import threading
 import time
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from lev_jax.server.metrics import Metrics
 from lev_jax.server.scheduler import QueueFull, Scheduler, ShuttingDown
@@ -62,6 +64,7 @@ def test_concurrent_requests_share_a_batch_within_the_token_budget():
         assert rb.batches == [["first"], ["r0", "r1", "r2"], ["r3", "r4", "r5"], ["r6"]]
         assert s.pending == 0
         await s.stop()
+
     run(main())
 
 
@@ -75,6 +78,7 @@ def test_a_request_over_the_batch_budget_runs_alone():
         await asyncio.gather(*(t.future for t in ts))
         assert rb.batches == [["a"], ["big"], ["b"]]
         await s.stop()
+
     run(main())
 
 
@@ -88,6 +92,7 @@ def test_batch_rows_cap():
         await asyncio.gather(*(t.future for t in ts))
         assert [len(b) for b in rb.batches] == [1, 2, 2] or [len(b) for b in rb.batches] == [2, 2, 1]
         await s.stop()
+
     run(main())
 
 
@@ -104,6 +109,7 @@ def test_admission_is_bounded_and_says_when_to_retry():
         await asyncio.gather(*(t.future for t in ts))
         s.submit("again", {}, 1)  # slots are free again
         await s.drain(5)
+
     run(main())
 
 
@@ -123,6 +129,7 @@ def test_cancelling_a_queued_request_frees_its_slot_and_skips_it():
         await asyncio.gather(running.future, later.future)
         assert rb.batches == [["running"], ["later"]]
         await s.stop()
+
     run(main())
 
 
@@ -144,6 +151,7 @@ def test_cancelling_a_running_request_holds_its_slot_until_the_batch_ends():
             await asyncio.sleep(0.01)
         assert s.pending == 0
         await s.stop()
+
     run(main())
 
 
@@ -157,6 +165,7 @@ def test_per_request_errors_stay_with_their_request():
         res = await asyncio.gather(*(t.future for t in ts), return_exceptions=True)
         assert res[0] == {"echo": "ok1"} and isinstance(res[1], ValueError) and res[2] == {"echo": "ok2"}
         await s.stop()
+
     run(main())
 
 
@@ -176,6 +185,7 @@ def test_a_batch_that_raises_is_retried_one_request_at_a_time():
         assert res[0] == {"echo": "a"} and isinstance(res[1], RuntimeError) and res[2] == {"echo": "b"}
         assert calls == [3, 1, 1, 1]
         await s.stop()
+
     run(main())
 
 
@@ -190,6 +200,7 @@ def test_drain_finishes_in_flight_work_and_refuses_new():
             s.submit("late", {}, 1)
         assert await drain is True
         assert [t.future.result() for t in ts] == [{"echo": str(i)} for i in range(4)]
+
     run(main())
 
 
@@ -202,12 +213,13 @@ def test_drain_gives_up_after_its_timeout():
         assert await s.drain(0.1) is False
         rb.gate.set()
         assert t.future.done()
+
     run(main())
 
 
 def test_metrics_exposition():
     async def main():
-        m = Metrics()
+        m = Metrics(max_pending=3, compiled_programs=lambda: 7)
         rb = Recorder()
         s = await _started(rb, metrics=m)
         ts = [s.submit(str(i), {}, 100) for i in range(3)]
@@ -215,23 +227,78 @@ def test_metrics_exposition():
         m.observe_request("POST", "/v1/systemone", 200, 0.02)
         m.observe_request("POST", "/v1/systemone", 429, 0.001)
         m.observe_answer(100, 1)
-        text = m.render({"lev_compiled_programs": ("Compiled.", 7)})
+        text = m.render().decode("utf-8")
         await s.stop()
         return text
 
     text = run(main())
-    assert 'lev_http_requests_total{method="POST",route="/v1/systemone",status="429"} 1' in text
-    assert 'lev_http_request_duration_seconds_bucket{route="/v1/systemone",le="+Inf"} 2' in text
-    assert "lev_batch_rows_count" in text and "lev_queue_depth 0" in text and "lev_compiled_programs 7" in text
+    samples = {
+        (s.name, frozenset(s.labels.items())): s.value for f in text_string_to_metric_families(text) for s in f.samples
+    }
+    route = ("route", "/v1/systemone")
+    assert samples[("lev_http_requests_total", frozenset({("method", "POST"), route, ("status", "429")}))] == 1
+    assert samples[("lev_http_request_duration_seconds_bucket", frozenset({route, ("le", "+Inf")}))] == 2
+    assert samples[("lev_http_request_duration_seconds_bucket", frozenset({route, ("le", "0.005")}))] == 1
+    assert samples[("lev_batch_rows_count", frozenset())] >= 1 and samples[("lev_batch_rows_sum", frozenset())] == 3
+    assert samples[("lev_queue_depth", frozenset())] == 0 and samples[("lev_max_pending", frozenset())] == 3
+    assert samples[("lev_compiled_programs", frozenset())] == 7
+    assert samples[("lev_input_tokens_total", frozenset())] == 100
     # every sample line is NAME{labels} VALUE and every metric has HELP and TYPE
     names = set()
     for line in text.splitlines():
         if line.startswith("# TYPE"):
             names.add(line.split()[2])
         elif not line.startswith("#"):
-            assert re.fullmatch(r'[a-z_]+(\{[^}]*\})? [-+0-9.eInf]+', line), line
+            assert re.fullmatch(r"[a-z_]+(\{[^}]*\})? [-+0-9.eInf]+", line), line
             base = re.sub(r"_(bucket|sum|count)$", "", line.split("{")[0].split()[0])
             assert base in names or line.split("{")[0].split()[0] in names, line
-    # histogram buckets are cumulative
-    counts = [int(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l.startswith("lev_batch_rows_bucket")]
-    assert counts == sorted(counts)
+    # histogram buckets are cumulative, at the documented boundaries
+    rows = [(float(dict(k[1])["le"]), v) for k, v in samples.items() if k[0] == "lev_batch_rows_bucket"]
+    assert [le for le, _ in rows] == [1, 2, 4, 8, 16, 32, 64, 128, float("inf")]
+    assert [v for _, v in rows] == sorted(v for _, v in rows)
+
+
+def test_metrics_keep_their_names_labels_and_buckets():
+    """The exposition is a contract (docs/API.md, dashboards): every family, its type, its labels and
+    its bucket boundaries, as they were before prometheus-client formatted them."""
+    m = Metrics(max_pending=4, compiled_programs=lambda: 2)
+    m.observe_request("GET", "/health", 200, 0.003)
+    m.observe_batch(3, 500, 0.2)
+    m.set_queue(1, 2)
+    families = {f.name: f for f in text_string_to_metric_families(m.render().decode("utf-8"))}
+    # the parser names counter families without their _total suffix
+    kinds = {
+        "lev_http_requests": "counter",
+        "lev_http_request_duration_seconds": "histogram",
+        "lev_queue_depth": "gauge",
+        "lev_in_flight": "gauge",
+        "lev_max_pending": "gauge",
+        "lev_batch_rows": "histogram",
+        "lev_batch_tokens": "histogram",
+        "lev_batch_duration_seconds": "histogram",
+        "lev_input_tokens": "counter",
+        "lev_output_tokens": "counter",
+        "lev_answered_requests": "counter",
+        "lev_cancelled_requests": "counter",
+        "lev_timed_out_requests": "counter",
+        "lev_uptime_seconds": "gauge",
+        "lev_compiled_programs": "gauge",
+    }
+    assert {name: f.type for name, f in families.items()} == kinds
+    (req,) = families["lev_http_requests"].samples
+    assert req.labels == {"method": "GET", "route": "/health", "status": "200"}
+    latency = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, float("inf")]
+    buckets = {
+        "lev_http_request_duration_seconds": latency,
+        "lev_batch_duration_seconds": latency,
+        "lev_batch_rows": [1, 2, 4, 8, 16, 32, 64, 128, float("inf")],
+        "lev_batch_tokens": [64, 256, 1024, 4096, 16384, 32768, 65536, 131072, float("inf")],
+    }
+    for name, bounds in buckets.items():
+        les = [float(s.labels["le"]) for s in families[name].samples if s.name.endswith("_bucket")]
+        assert les == bounds, name
+    assert {s.labels.get("route") for s in families["lev_http_request_duration_seconds"].samples} == {"/health"}
+    assert families["lev_queue_depth"].samples[0].value == 1 and families["lev_in_flight"].samples[0].value == 2
+    assert families["lev_uptime_seconds"].samples[0].value >= 0
+    # no engine count (or a broken one): no lev_compiled_programs family at all
+    assert "lev_compiled_programs" not in Metrics(compiled_programs=lambda: None).render().decode("utf-8")

@@ -1,5 +1,6 @@
-"""The wire layer without a model: request validation, engine question shapes, body decoding
+"""The wire layer without a model: request validation, the questions the engine gets, body decoding
 (zstd / gzip / deflate, size limits), strict JSON, multipart parsing, assets and placeholders."""
+
 from __future__ import annotations
 
 import base64
@@ -31,9 +32,13 @@ def errors(doc) -> list[dict]:
 
 # ---------------------------------------------------------------- validation
 
+
 def test_accepts_every_documented_shape():
     doc = {
-        "model": "jev-latest", "state": {"a": [1, 2]}, "seed": 7, "x_trace": "t",
+        "model": "jev-latest",
+        "state": {"a": [1, 2]},
+        "seed": 7,
+        "x_trace": "t",
         "questions": {
             "n0": {"type": "noul", "instructions": "Q?"},
             "n1": {"type": "noul", "instructions": "Q?", "criteria": None},
@@ -79,23 +84,35 @@ def test_score_level_range(n, ok):
         assert errors(req(q=q))[0]["type"] in ("too_short", "too_long")
 
 
-@pytest.mark.parametrize("doc,where", [
-    ({"model": "jev-latest", "state": "s"}, ("body", "questions")),
-    ({"state": "s", "questions": {"q": {"type": "noul", "instructions": "?"}}}, ("body", "model")),
-    (req(), ("body", "questions")),
-    (req(q={"instructions": "?"}), ("body", "questions", "q")),
-    (req(q={"type": "boolean", "instructions": "?"}), ("body", "questions", "q")),
-    (req(q={"type": "score", "criteria": {"0": "a", "1": "b"}}), ("body", "questions", "q", "score", "criteria")),
-    (req(q={"type": "score", "criteria": ["a", None]}), ("body", "questions", "q", "score", "criteria", 1)),
-    (req(q={"type": "choice", "criteria": {"": None, "b": None}}), ("body", "questions", "q", "choice", "criteria")),
-    (req(q={"type": "noul", "instructions": "?", "criteria": {"yes": "y"}}), ("body", "questions", "q", "noul", "criteria")),
-    (req(q={"type": "noul", "instruction": "typo"}), ("body", "questions", "q", "noul", "instruction")),
-    ({**req(q={"type": "noul", "instructions": "?"}), "model": 3}, ("body", "model")),
-    ({"model": "jev-latest", "state": "s", "questions": {"": {"type": "noul", "instructions": "?"}}}, ("body", "questions")),
-])
+@pytest.mark.parametrize(
+    "doc,where",
+    [
+        ({"model": "jev-latest", "state": "s"}, ("body", "questions")),
+        ({"state": "s", "questions": {"q": {"type": "noul", "instructions": "?"}}}, ("body", "model")),
+        (req(), ("body", "questions")),
+        (req(q={"instructions": "?"}), ("body", "questions", "q")),
+        (req(q={"type": "boolean", "instructions": "?"}), ("body", "questions", "q")),
+        (req(q={"type": "score", "criteria": {"0": "a", "1": "b"}}), ("body", "questions", "q", "score", "criteria")),
+        (req(q={"type": "score", "criteria": ["a", None]}), ("body", "questions", "q", "score", "criteria", 1)),
+        (
+            req(q={"type": "choice", "criteria": {"": None, "b": None}}),
+            ("body", "questions", "q", "choice", "criteria"),
+        ),
+        (
+            req(q={"type": "noul", "instructions": "?", "criteria": {"yes": "y"}}),
+            ("body", "questions", "q", "noul", "criteria"),
+        ),
+        (req(q={"type": "noul", "instruction": "typo"}), ("body", "questions", "q", "noul", "instruction")),
+        ({**req(q={"type": "noul", "instructions": "?"}), "model": 3}, ("body", "model")),
+        (
+            {"model": "jev-latest", "state": "s", "questions": {"": {"type": "noul", "instructions": "?"}}},
+            ("body", "questions"),
+        ),
+    ],
+)
 def test_invalid_bodies_locate_the_problem(doc, where):
     errs = errors(doc)
-    assert any(tuple(e["loc"][:len(where)]) == where for e in errs), errs
+    assert any(tuple(e["loc"][: len(where)]) == where for e in errs), errs
     for e in errs:
         assert e["loc"][0] == "body" and isinstance(e["msg"], str) and isinstance(e["type"], str)
 
@@ -111,18 +128,42 @@ def test_asset_needs_data_or_part():
 
 # ---------------------------------------------------------------- wire -> engine
 
-def test_engine_shapes():
-    r = wire.SystemOneRequest.model_validate(req(
-        n={"type": "noul", "instructions": {"b": 1, "a": "é"}, "criteria": {"true": "y", "false": None}},
-        m={"type": "noul", "instructions": "?", "criteria": {"true": None}},
-        c={"type": "choice", "criteria": {"A": None, "B": {"k": 1}}},
-        s={"type": "score", "instructions": "?", "criteria": ["lo", {"label": "hi"}]},
-    ))
-    qs = {k: wire.to_engine_question(q) for k, q in r.questions.items()}
-    assert qs["n"] == {"type": "noul", "instructions": '{"a": "é", "b": 1}', "criteria": {"yes": "y"}}
+
+def test_wire_questions_are_engine_questions():
+    """The server hands the engine each validated question as plain data (`model_dump()`, as app.py
+    does): the engine reads it exactly as the old wire translation did (structured instructions and
+    levels as sorted-key JSON, option descriptions as sent, noul criteria keyed true/false with a
+    null side dropped)."""
+    from lev_jax.readout import normalize_question
+
+    r = wire.SystemOneRequest.model_validate(
+        req(
+            n={"type": "noul", "instructions": {"b": 1, "a": "é"}, "criteria": {"true": "y", "false": None}},
+            m={"type": "noul", "instructions": "?", "criteria": {"true": None}},
+            f={"type": "noul", "criteria": {"false": ["n", {"k": 1}]}},
+            c={"type": "choice", "criteria": {"A": None, "B": {"k": 1}}},
+            s={"type": "score", "instructions": "?", "criteria": ["lo", {"label": "hi"}]},
+        )
+    )
+    qs = {k: normalize_question(k, q.model_dump()) for k, q in r.questions.items()}
+    assert qs["n"] == {"type": "noul", "instructions": '{"a": "é", "b": 1}', "criteria": {"true": "y"}}
     assert qs["m"]["criteria"] is None
+    assert qs["f"] == {"type": "noul", "instructions": "", "criteria": {"false": '["n", {"k": 1}]'}}
     assert qs["c"] == {"type": "choice", "instructions": "", "criteria": {"A": None, "B": {"k": 1}}}
     assert qs["s"]["criteria"] == ["lo", '{"label": "hi"}']
+
+
+def test_wire_limits_are_the_domain_limits():
+    from lev_jax import domain
+
+    assert wire.CHOICE_OPTIONS is domain.CHOICE_OPTIONS and wire.SCORE_LEVELS is domain.SCORE_LEVELS
+    schema = wire.SystemOneRequest.model_json_schema()["$defs"]
+    choice, score = (
+        schema["ChoiceQuestion"]["properties"]["criteria"],
+        schema["ScoreQuestion"]["properties"]["criteria"],
+    )
+    assert (choice["minProperties"], choice["maxProperties"]) == domain.CHOICE_OPTIONS
+    assert (score["minItems"], score["maxItems"]) == domain.SCORE_LEVELS
 
 
 # ---------------------------------------------------------------- content encoding
@@ -130,15 +171,18 @@ def test_engine_shapes():
 DOC = json.dumps(req(q={"type": "noul", "instructions": "x" * 3000})).encode()
 
 
-@pytest.mark.parametrize("encoding,encode", [
-    ("zstd", lambda b: zstandard.ZstdCompressor().compress(b)),
-    ("gzip", gzip.compress),
-    ("x-gzip", gzip.compress),
-    ("deflate", zlib.compress),
-    ("deflate", lambda b: zlib.compress(b)[2:-4]),  # raw deflate
-    ("identity", lambda b: b),
-    ("gzip, zstd", lambda b: zstandard.ZstdCompressor().compress(gzip.compress(b))),
-])
+@pytest.mark.parametrize(
+    "encoding,encode",
+    [
+        ("zstd", lambda b: zstandard.ZstdCompressor().compress(b)),
+        ("gzip", gzip.compress),
+        ("x-gzip", gzip.compress),
+        ("deflate", zlib.compress),
+        ("deflate", lambda b: zlib.compress(b)[2:-4]),  # raw deflate
+        ("identity", lambda b: b),
+        ("gzip, zstd", lambda b: zstandard.ZstdCompressor().compress(gzip.compress(b))),
+    ],
+)
 def test_decode_content(encoding, encode):
     assert body.decode_content(encode(DOC), encoding, 1 << 20) == DOC
 
@@ -175,8 +219,9 @@ def test_unknown_encoding_is_415():
     assert ei.value.status == 415
 
 
-@pytest.mark.parametrize("encoding,encode", [("zstd", lambda b: zstandard.ZstdCompressor().compress(b)),
-                                             ("gzip", gzip.compress)])
+@pytest.mark.parametrize(
+    "encoding,encode", [("zstd", lambda b: zstandard.ZstdCompressor().compress(b)), ("gzip", gzip.compress)]
+)
 def test_decompression_bomb_is_413(encoding, encode):
     bomb = encode(b"\0" * (4 << 20))
     assert len(bomb) < 64 << 10
@@ -187,12 +232,16 @@ def test_decompression_bomb_is_413(encoding, encode):
 
 # ---------------------------------------------------------------- JSON
 
-@pytest.mark.parametrize("raw,loc0", [
-    (b'{"model": "jev-latest", "state": "x", "questions": {', 52),
-    (b'{"a": NaN}', 0),
-    (b'{"a": Infinity}', 0),
-    (b'\xff\xfe{}', 0),
-])
+
+@pytest.mark.parametrize(
+    "raw,loc0",
+    [
+        (b'{"model": "jev-latest", "state": "x", "questions": {', 52),
+        (b'{"a": NaN}', 0),
+        (b'{"a": Infinity}', 0),
+        (b"\xff\xfe{}", 0),
+    ],
+)
 def test_bad_json_is_fastapi_json_invalid(raw, loc0):
     with pytest.raises(RequestValidationError) as ei:
         body.parse_json(raw)
@@ -222,11 +271,14 @@ def test_json_limits():
 
 # ---------------------------------------------------------------- multipart and assets
 
+
 def multipart(parts: list[tuple[str, str, bytes, str | None]], boundary="b0undary") -> tuple[str, bytes]:
     chunks = []
     for name, ctype, content, filename in parts:
         disp = f'form-data; name="{name}"' + (f'; filename="{filename}"' if filename else "")
-        chunks.append(f"--{boundary}\r\nContent-Disposition: {disp}\r\nContent-Type: {ctype}\r\n\r\n".encode() + content + b"\r\n")
+        chunks.append(
+            f"--{boundary}\r\nContent-Disposition: {disp}\r\nContent-Type: {ctype}\r\n\r\n".encode() + content + b"\r\n"
+        )
     chunks.append(f"--{boundary}--\r\n".encode())
     return f"multipart/form-data; boundary={boundary}", b"".join(chunks)
 
@@ -235,8 +287,9 @@ def test_multipart_round_trip_like_the_sdk():
     from typesafe_sdk._core.multipart import Part, encode_multipart
 
     doc = json.dumps(req(q={"type": "noul", "instructions": "<image:ab>?"})).encode()
-    ctype, data = encode_multipart([Part("request", "application/json", doc),
-                                    Part("asset-0", "image/png", PNG, "asset-0")])
+    ctype, data = encode_multipart(
+        [Part("request", "application/json", doc), Part("asset-0", "image/png", PNG, "asset-0")]
+    )
     assert body.is_multipart(ctype)
     parts = body.parse_multipart(data, ctype)
     assert set(parts) == {"request", "asset-0"}
@@ -250,14 +303,20 @@ def test_multipart_binary_content_with_crlf_survives():
     assert body.parse_multipart(data, ctype)["asset-0"].data == tricky
 
 
-@pytest.mark.parametrize("ctype,data", [
-    ("multipart/form-data", b"--x\r\n"),
-    ("multipart/form-data; boundary=x", b"--x\r\nContent-Type: a\r\n\r\nv\r\n--x--\r\n"),
-    ("multipart/form-data; boundary=x", b'--x\r\nContent-Disposition: form-data; name="a"\r\n\r\nv\r\n'),
-    ("multipart/form-data; boundary=x", b'--x\r\nContent-Disposition: form-data; name="a"\r\n\r\nv\r\n'
-                                        b'--x\r\nContent-Disposition: form-data; name="a"\r\n\r\nw\r\n--x--'),
-    ("multipart/form-data; boundary=x", b"garbage"),
-])
+@pytest.mark.parametrize(
+    "ctype,data",
+    [
+        ("multipart/form-data", b"--x\r\n"),
+        ("multipart/form-data; boundary=x", b"--x\r\nContent-Type: a\r\n\r\nv\r\n--x--\r\n"),
+        ("multipart/form-data; boundary=x", b'--x\r\nContent-Disposition: form-data; name="a"\r\n\r\nv\r\n'),
+        (
+            "multipart/form-data; boundary=x",
+            b'--x\r\nContent-Disposition: form-data; name="a"\r\n\r\nv\r\n'
+            b'--x\r\nContent-Disposition: form-data; name="a"\r\n\r\nw\r\n--x--',
+        ),
+        ("multipart/form-data; boundary=x", b"garbage"),
+    ],
+)
 def test_malformed_multipart_is_400(ctype, data):
     with pytest.raises(ApiError) as ei:
         body.parse_multipart(data, ctype)
@@ -276,13 +335,24 @@ def _validated(doc):
 
 
 def test_assets_resolve_with_placeholders():
-    r = _validated({
-        "model": "jev-latest", "state": {"photo": "look: <image:aa>"},
-        "questions": {"q": {"type": "choice", "instructions": "Which? <image:bb>",
-                            "criteria": {"<image:aa>": None, "other": ["x <image:bb>"]}}},
-        "assets": {"<image:aa>": {"format": "png", "data_base64": base64.b64encode(PNG).decode()},
-                   "<image:bb>": {"part": "asset-0"}, "unused": {"format": "jpg", "data_base64": base64.b64encode(JPEG).decode()}},
-    })
+    r = _validated(
+        {
+            "model": "jev-latest",
+            "state": {"photo": "look: <image:aa>"},
+            "questions": {
+                "q": {
+                    "type": "choice",
+                    "instructions": "Which? <image:bb>",
+                    "criteria": {"<image:aa>": None, "other": ["x <image:bb>"]},
+                }
+            },
+            "assets": {
+                "<image:aa>": {"format": "png", "data_base64": base64.b64encode(PNG).decode()},
+                "<image:bb>": {"part": "asset-0"},
+                "unused": {"format": "jpg", "data_base64": base64.b64encode(JPEG).decode()},
+            },
+        }
+    )
     ctype, data = multipart([("request", "application/json", b"{}", None), ("asset-0", "image/jpeg", JPEG, "asset-0")])
     images = body.resolve_assets(r.assets, body.parse_multipart(data, ctype), r.state, r.questions)
     by = {i.alias: i for i in images}
@@ -292,15 +362,18 @@ def test_assets_resolve_with_placeholders():
     assert by["unused"].references == []
 
 
-@pytest.mark.parametrize("assets,parts,fragment", [
-    ({"a": {"part": "asset-0"}}, None, "does not have"),
-    ({"a": {"part": "asset-9"}}, {"asset-0": PNG}, "does not have"),
-    ({"a": {"part": "asset-0"}, "b": {"part": "asset-0"}}, {"asset-0": PNG}, "claimed by two"),
-    ({"a": {"part": "asset-0"}}, {"asset-0": PNG, "asset-1": PNG}, "not claimed"),
-    ({"a": {"format": "png", "data_base64": "!!!"}}, None, "not valid base64"),
-    ({"a": {"format": "png", "data_base64": ""}}, None, "empty"),
-    ({"a": {"format": "png", "data_base64": base64.b64encode(b"GIF89a....").decode()}}, None, "not a PNG or JPEG"),
-])
+@pytest.mark.parametrize(
+    "assets,parts,fragment",
+    [
+        ({"a": {"part": "asset-0"}}, None, "does not have"),
+        ({"a": {"part": "asset-9"}}, {"asset-0": PNG}, "does not have"),
+        ({"a": {"part": "asset-0"}, "b": {"part": "asset-0"}}, {"asset-0": PNG}, "claimed by two"),
+        ({"a": {"part": "asset-0"}}, {"asset-0": PNG, "asset-1": PNG}, "not claimed"),
+        ({"a": {"format": "png", "data_base64": "!!!"}}, None, "not valid base64"),
+        ({"a": {"format": "png", "data_base64": ""}}, None, "empty"),
+        ({"a": {"format": "png", "data_base64": base64.b64encode(b"GIF89a....").decode()}}, None, "not a PNG or JPEG"),
+    ],
+)
 def test_asset_problems_are_400(assets, parts, fragment):
     r = _validated({**req(q={"type": "noul", "instructions": "?"}), "assets": assets})
     mp = {k: body.Part(k, "image/png", v) for k, v in (parts or {}).items()} if parts is not None else None

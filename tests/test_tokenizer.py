@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from lev_jax.errors import CheckpointError
-from lev_jax.loaders.gguf import embedded_default_path
 from lev_jax.loaders.gguf_tokenizer import tokenizer_from_gguf
 from lev_jax.tokenizer import QWEN3_5_CHAT_TEMPLATE, Tokenizer
 
@@ -49,11 +48,6 @@ TEXTS = [
 # --------------------------------------------------------------------------------------------------
 # GGUF (SmolLM2) vs transformers
 # --------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def gguf_path():
-    return embedded_default_path()
 
 
 @pytest.fixture(scope="module")

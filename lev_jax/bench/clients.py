@@ -8,7 +8,6 @@ the model twice.
 """
 from __future__ import annotations
 
-import copy
 import json
 import os
 import time
@@ -19,7 +18,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from lev_jax.bench.evalset import to_engine, to_wire
+from lev_jax.bench.evalset import to_wire
+from lev_jax.engine import Engine
+from lev_jax.readout import Usage
 
 API_KEY_ENV = "LEV_API_KEY"
 DEFAULT_MODEL = "jev-latest"
@@ -107,93 +108,73 @@ class HttpClient:
 
 
 class InProcessClient:
-    """An engine in this process (calls are serialised: one engine, one device).
+    """A :class:`lev_jax.Engine` in this process (calls are serialised: one engine, one device).
 
     With ``baseline`` (a :class:`lev_jax.calibrate.Calibration`, e.g. the identity), every call
     also returns the answers the same label logits give under that profile. With
     ``readouts=True`` it returns each question's raw label logits (see :class:`Readout`).
 
-    This reads the engine's plan and label logits through its internals (``_plan``,
-    ``_read_many``, ``_run``) - read-only: the engine is never modified, and the answers it returns are exactly
-    what ``engine.predict`` returns for the same request. An engine without those internals is
-    simply asked through ``predict`` (then there is no baseline and no readouts).
+    It plans through ``engine.plan`` and answers through ``engine.answer`` with a reader that keeps
+    every row's label logits, so the answers are exactly what ``engine.predict`` returns and a
+    second calibration costs no device work.
     """
 
     max_concurrency = 1
 
-    def __init__(self, engine, *, baseline=None, readouts: bool = False):
+    def __init__(self, engine: Engine, *, baseline=None, readouts: bool = False):
         self.engine = engine
         self.baseline = baseline
         self.want_readouts = readouts
-        self.internals = all(hasattr(engine, a) for a in ("_plan", "_read_many", "_run"))
-        if (baseline is not None or readouts) and not self.internals:
-            raise ValueError("this engine does not expose the label logits the baseline/readouts need")
 
     def describe(self) -> dict[str, Any]:
         e = self.engine
-        info = e.info() if hasattr(e, "info") else {}
-        cal = getattr(e, "calibration", None)
-        cal_info = cal.describe() if cal is not None else None
-        if cal_info and cal_info.get("path"):
+        info = e.info()
+        cal_info = e.calibration.describe()
+        if cal_info.get("path"):
             cal_info["path"] = _relative(cal_info["path"])
-        return {"kind": "in-process", "model": getattr(e, "model_name", None), "calibration": cal_info,
+        return {"kind": "in-process", "model": e.model_name, "calibration": cal_info,
                 "baseline": self.baseline.describe() if self.baseline is not None else None,
                 **{k: info.get(k) for k in ("prompt_style", "layout", "noul_readout", "option_averaging")}}
 
     def ask(self, state, questions: Mapping[str, dict]) -> Asked:
-        eq = {k: to_engine(q) for k, q in questions.items()}
+        eq = {k: to_wire(q) for k, q in questions.items()}
         e = self.engine
         t0 = time.perf_counter()
-        if not self.internals:
-            if hasattr(e, "predict_with_usage"):
-                answers, usage = e.predict_with_usage(state, eq)
-            else:
-                answers, usage = e.predict(state, eq), {}
-            latency = time.perf_counter() - t0
-            counts = e.count_tokens(state, eq) if hasattr(e, "count_tokens") else {}
-            return Asked(answers, latency, usage.get("input_tokens", counts.get("input_tokens")),
-                         counts.get("state_tokens"), usage.get("cached_input_tokens"))
-
-        plan = e._plan(state, eq)
+        plan = e.plan(state, eq)
         cache: dict[tuple, np.ndarray] = {}
 
         def reader(entries, usages):
-            # the engine's reader protocol: [(prefix_ids, rows)] -> per entry, one logits array per row.
-            # Rows already read (by an earlier run over the same plan) come from `cache`.
+            # [(prefix_ids, rows)] -> per entry, one logits array per row; rows already read (by an
+            # earlier pass over the same plan) come from `cache`
             out = []
             for (prefix_ids, rows), usage in zip(entries, usages):
                 keys = [(tuple(r.tokens), tuple(r.label_ids)) for r in rows]
                 missing = [i for i, k in enumerate(keys) if k not in cache]
                 if missing:
-                    got = e._read_many([(prefix_ids, [rows[i] for i in missing])], [usage])[0]
+                    got = e.executor.read([(prefix_ids, [rows[i] for i in missing])], [usage])[0]
                     for i, logits in zip(missing, got):
                         cache[keys[i]] = np.asarray(logits)
                 out.append([cache[k] for k in keys])
             return out
 
-        def run(calibration, usage):
-            clone = copy.copy(e)  # shallow: shares weights and caches; only its calibration differs
-            clone.calibration = calibration
-            return clone._run([plan], reader, [usage])[0]
-
-        usage = _Usage()
-        answers = run(e.calibration, usage)
+        usage = Usage()
+        answers = e.answer([plan], [usage], reader=reader)[0]
         latency = time.perf_counter() - t0
         out = Asked(answers, latency, usage.processed, len(plan.prefix_ids), usage.cached)
         if self.baseline is not None:
-            out.baseline = run(self.baseline, _Usage())
+            out.baseline = e.answer([plan], [Usage()], reader=reader, calibration=self.baseline)[0]
         if self.want_readouts:
-            for qid, _q, rs, groups in plan.questions:
-                if groups is not None:  # grouped large choice: composed from two rounds, not one readout
+            for qp in plan.questions:
+                if qp.groups is not None:  # grouped large choice: composed from two rounds, not one readout
                     continue
-                ro = rs[0]
+                ro = qp.readouts[0]
                 arrs = []
                 # the engine reads code position j of a row as candidate maps[row][j]; undo that
-                for logits, m in zip(reader([(plan.prefix_ids, ro.rows)], [_Usage()])[0], ro.maps):
+                for logits, m in zip(reader([(plan.prefix_ids, ro.rows)], [Usage()])[0], ro.maps):
                     canon = np.empty(ro.n, dtype=np.float64)
                     canon[np.asarray(m)] = np.asarray(logits[: len(m)], dtype=np.float64)
                     arrs.append(canon)
-                out.readouts[qid] = Readout(ro.qtype, ro.mode, ro.n, arrs)
+                out.readouts[qp.qid] = Readout(ro.qtype, ro.mode, ro.n, arrs)
         return out
 
 
@@ -205,12 +186,3 @@ def _relative(path: str) -> str:
         return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
     except ValueError:
         return str(path)
-
-
-class _Usage:
-    """What the engine's readers count into (tokens through the model, prefix tokens from cache)."""
-
-    def __init__(self):
-        self.processed = 0
-        self.cached = 0
-        self.prefix_seen = False

@@ -128,7 +128,8 @@ def _noul_sides(criteria) -> tuple[Any, Any]:
 
 
 def to_wire(q: Mapping[str, Any]) -> dict[str, Any]:
-    """A question in the wire shape of ``POST /v1/systemone`` (noul criteria ``true``/``false``)."""
+    """A question in the wire shape of ``POST /v1/systemone`` (noul criteria ``true``/``false``), which
+    is also the shape ``Engine.predict`` takes."""
     out = {"type": q["type"]}
     if q.get("instructions") is not None:
         out["instructions"] = q["instructions"]
@@ -139,21 +140,6 @@ def to_wire(q: Mapping[str, Any]) -> dict[str, Any]:
             out["criteria"] = crit
     else:
         out["criteria"] = q["criteria"]
-    return out
-
-
-def to_engine(q: Mapping[str, Any]) -> dict[str, Any]:
-    """A question in the engine's shape (text instructions and levels, noul criteria ``yes``/``no``)."""
-    qtype = q["type"]
-    out: dict[str, Any] = {"type": qtype, "instructions": render_value(q.get("instructions"))}
-    if qtype == "choice":
-        out["criteria"] = dict(q["criteria"])
-    elif qtype == "score":
-        out["criteria"] = [render_value(level) for level in q["criteria"]]
-    else:
-        yes, no = _noul_sides(q.get("criteria"))
-        crit = {k: v for k, v in (("yes", yes), ("no", no)) if v is not None}
-        out["criteria"] = crit or None
     return out
 
 

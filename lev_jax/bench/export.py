@@ -30,23 +30,14 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from lev_jax.bench.evalset import EvalSet
+from lev_jax.data.guard import EVAL_DATA_ENV, default_eval_data_dir
 
-EVAL_DATA_ENV = "LEV_EVAL_DATA"
 TEST, CALIBRATION = "test", "calibration"
-
-
-def default_eval_data_dir() -> Path:
-    """``$LEV_EVAL_DATA`` or ``<repo>/../shared/eval-data`` (never a machine path)."""
-    env = os.environ.get(EVAL_DATA_ENV)
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[2].parent / "shared" / "eval-data"
 
 
 def _spec(name: str):

@@ -10,6 +10,7 @@ fills it, so the timed single calls reuse the state's prefix: that is what a ser
 """
 from __future__ import annotations
 
+import warnings
 import json
 import statistics
 import sys
@@ -135,6 +136,7 @@ def sweep_png(res: Mapping[str, Any], path: str | Path) -> Path | None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
+        warnings.warn("PNG plot skipped: matplotlib is not installed (pip install 'lev-jax[plot]')", stacklevel=2)
         return None
     fig = Figure(figsize=(5, 4), dpi=100)
     FigureCanvasAgg(fig)

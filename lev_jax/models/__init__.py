@@ -13,6 +13,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lev_jax.models import cache as cache_lib
+from lev_jax.models.base import REMAT_POLICIES  # noqa: F401
+from lev_jax.models.context import CacheWrite, Context  # noqa: F401
 from lev_jax.models.llama import LlamaConfig
 from lev_jax.models.qwen3_5 import Qwen3_5Config
 
@@ -48,9 +50,12 @@ def bind(params, cfg):
 
 
 def forward(params, tokens_BT, cache, cfg, *, valid_BT=None, positions_BT=None, readout_BR=None,
-            update_cache: bool | str = True, anchored_softmax: bool = False):
-    """(hidden, new_cache): the final-normed hidden state at `readout_BR` (or every new token)."""
-    return bind(params, cfg)(tokens_BT, cache, valid_BT, positions_BT, readout_BR, update_cache, anchored_softmax)
+            cache_write: CacheWrite = CacheWrite.APPEND, anchored_softmax: bool = False, remat: str = "none"):
+    """(hidden, new_cache): the final-normed hidden state at `readout_BR` (or every new token), and the
+    cache as `cache_write` asks (CausalLM.__call__). `remat`: a REMAT_POLICIES name, how each
+    layer is rematerialised when this is differentiated."""
+    return bind(params, cfg)(tokens_BT, cache, valid_BT, positions_BT, readout_BR, cache_write, anchored_softmax,
+                             remat)
 
 
 def head_logits(params, hidden, cfg, token_ids=None):

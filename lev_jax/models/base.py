@@ -1,15 +1,50 @@
 """The decoder-only LM shell every backbone shares: embed -> layers -> final norm -> (head on demand).
 
 Subclasses build `self.layers` (an nnx.List of layers with the call signature
-`layer(x, ctx, layer_cache) -> (x, new_layer_cache)`) and say how big the rotary slice is.
+`layer(x, ctx: Context, layer_cache) -> (x, new_layer_cache)`) and say how big the rotary slice is.
 """
 from __future__ import annotations
 
+import types
+
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from lev_jax.models import cache as cache_lib
+from lev_jax.models.context import CacheWrite, Context
 from lev_jax.models.layers import dense, rope_cos_sin
+
+# Rematerialisation, per decoder layer: name -> the jax.checkpoint policy each layer's call runs
+# under (None: no checkpoint, the plain call). Under a policy the backward pass keeps only each
+# layer's inputs and what the policy saves, and recomputes the rest of that layer: activation
+# memory of a training step then grows with one layer's intermediates, not all of them.
+REMAT_POLICIES = types.MappingProxyType({
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,  # save nothing: least memory, ~1 extra forward
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep the weight matmuls' outputs
+})
+
+
+def remat_policy(name: str):
+    """The checkpoint policy of a REMAT_POLICIES name (None for "none")."""
+    if name not in REMAT_POLICIES:
+        raise ValueError(f"unknown remat {name!r}; known: {', '.join(REMAT_POLICIES)}")
+    return REMAT_POLICIES[name]
+
+
+def _call_layer(layer, x, ctx: Context, layer_cache, policy):
+    """`layer(x, ctx, layer_cache)`, rematerialised under `policy` unless it is None. The layer is
+    split into (graph, state) so that jax.checkpoint sees a pure function of arrays; its weights,
+    the context's arrays and the cache are the checkpoint's inputs, and only they are kept."""
+    if policy is None:
+        return layer(x, ctx, layer_cache)
+    graphdef, state = nnx.split(layer)
+
+    def run(state, x, ctx, layer_cache):
+        return nnx.merge(graphdef, state)(x, ctx, layer_cache)
+
+    return jax.checkpoint(run, policy=policy)(state, x, ctx, layer_cache)
 
 
 class CausalLM(nnx.Module):
@@ -24,39 +59,48 @@ class CausalLM(nnx.Module):
         self.tied = cfg.tie_word_embeddings
 
     def __call__(self, tokens_BT, cache=None, valid_BT=None, positions_BT=None, readout_BR=None,
-                 update_cache: bool | str = True, anchored_softmax: bool = False):
+                 cache_write: CacheWrite = CacheWrite.APPEND, anchored_softmax: bool = False, remat: str = "none"):
         """Run T new tokens after `cache` (None: no context). Returns (hidden, new_cache) where hidden
         is the final-normed state at `readout_BR` ([B, R, E], indices into the T new tokens) or at
-        every new token ([B, T, E]). With `update_cache=False` nothing is written (new_cache is None):
-        a readout over a shared prefix never needs B copies of it, nor room in its buffer.
-        `update_cache="segment"`: the new tokens become a per-row second cache level over a shared
-        `cache` (cache.with_segment), which later rows read without copying the shared part.
+        every new token ([B, T, E]), and new_cache is as `cache_write` asks (CacheWrite): the cache
+        extended by the new slots (APPEND), None (NONE: a readout over a shared prefix never needs
+        B copies of it, nor room in its buffer), or the shared `cache` plus the new tokens as a
+        per-row second level (SEGMENT, cache.with_segment), which later rows read without copying
+        the shared part.
         `anchored_softmax`: attention against a shared cache uses the faster anchored stabiliser
-        (layers.attend); a row it cannot serve comes out NaN and must be rerun without it."""
+        (layers.attend); a row it cannot serve comes out NaN and must be rerun without it.
+        `remat`: a REMAT_POLICIES name, how each decoder layer is rematerialised under jax.grad
+        (the forward values are the same under every policy)."""
+        if not isinstance(cache_write, CacheWrite):
+            raise ValueError(f"cache_write must be a CacheWrite ({', '.join(m.name for m in CacheWrite)}), "
+                             f"not {cache_write!r}")
+        policy = remat_policy(remat)
         B, T = tokens_BT.shape
         if valid_BT is None:
             valid_BT = jnp.ones((B, T), bool)
         if positions_BT is None:
             positions_BT = cache_lib.positions_for(cache, valid_BT)
         cos, sin = rope_cos_sin(positions_BT, self.rot_dim, self.rope_theta)
-        ctx = {
-            "cos": cos, "sin": sin, "valid": valid_BT,
-            "cache_valid": None if cache is None else cache["valid"],
-            "offset": None if cache is None else cache["offset"],
-            "update_cache": update_cache, "anchored_softmax": anchored_softmax,
-            "seg_valid": None if cache is None else cache.get("seg_valid"),
-        }
+        ctx = Context(
+            cos=cos, sin=sin, valid=valid_BT,
+            cache_valid=None if cache is None else cache["valid"],
+            offset=None if cache is None else cache["offset"],
+            seg_valid=None if cache is None else cache.get("seg_valid"),
+            cache_write=cache_write, anchored_softmax=anchored_softmax,
+        )
         x = self.embed_tokens(tokens_BT).astype(jnp.float32)  # the residual stream is fp32 (layers.py)
         new_layers = []
         for i, layer in enumerate(self.layers):
-            x, layer_cache = layer(x, ctx, None if cache is None else cache["layers"][i])
+            x, layer_cache = _call_layer(layer, x, ctx, None if cache is None else cache["layers"][i], policy)
             new_layers.append(layer_cache)
         if readout_BR is not None:  # the final norm (and later the head) only where a readout needs it
             x = jnp.take_along_axis(x, readout_BR[..., None].astype(jnp.int32), axis=1)
-        if update_cache == "segment":
+        if cache_write is CacheWrite.SEGMENT:
             new_cache = cache_lib.with_segment(cache, valid_BT, tuple(new_layers))
+        elif cache_write is CacheWrite.APPEND:
+            new_cache = cache_lib.advance(cache, B, valid_BT, tuple(new_layers))
         else:
-            new_cache = cache_lib.advance(cache, B, valid_BT, tuple(new_layers)) if update_cache else None
+            new_cache = None
         return self.norm(x), new_cache
 
     def head(self, hidden_BRE, token_ids=None):

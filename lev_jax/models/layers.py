@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lev_jax.models.context import CacheWrite, Context
+
 # A large negative instead of -inf: a fully masked row (a padding query with nothing to see) then
 # gives a uniform softmax instead of NaN, and NaN can never leak into valid rows through a matmul.
 _MASKED = -1e30
@@ -221,11 +223,12 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(head_dim, eps, zero_centered=zc, dtype=dtype)
         self.qk_norm = qk_norm
 
-    def __call__(self, x_BTE, cos, sin, valid_BT, layer_cache, cache_valid_BS, offset, update_cache=True,
-                 anchored=False, seg_valid_BS=None):
-        """`update_cache`: True (write the new slots into the cache), False (write nothing) or
-        "segment" (keep the cache as it is and return the new keys/values beside it, per row: a
-        second cache level that rows continuing these tokens read with `seg_valid_BS`)."""
+    def __call__(self, x_BTE, ctx: Context, layer_cache):
+        """Attention of the new tokens over `layer_cache` (None: no context) and themselves; returns
+        (output, new layer cache) with the new layer cache as `ctx.cache_write` asks: the cache with
+        the new slots written (APPEND), None (NONE), or the cache as it is plus the new keys/values
+        beside it, per row (SEGMENT: a second cache level that rows continuing these tokens read
+        with `ctx.seg_valid`)."""
         B, T, _ = x_BTE.shape
         H, K, D = self.num_heads, self.num_kv_heads, self.head_dim
         q = self.q_proj(x_BTE)
@@ -238,29 +241,30 @@ class Attention(nnx.Module):
         v_BTKD = self.v_proj(x_BTE).reshape(B, T, K, D)
         if self.qk_norm is not None:
             q_BTHD, k_BTKD = self.q_norm(q_BTHD), self.k_norm(k_BTKD)
-        q_BTHD, k_BTKD = apply_rope(q_BTHD, cos, sin), apply_rope(k_BTKD, cos, sin)
+        q_BTHD, k_BTKD = apply_rope(q_BTHD, ctx.cos, ctx.sin), apply_rope(k_BTKD, ctx.cos, ctx.sin)
         ck = cv = segment = None
         if layer_cache is not None:
             ck, cv = layer_cache["k"], layer_cache["v"]
             if "seg_k" in layer_cache:
-                segment = (layer_cache["seg_k"], layer_cache["seg_v"], seg_valid_BS)
-        out = attend(q_BTHD, k_BTKD, v_BTKD, valid_BT, ck, cv, cache_valid_BS, D**-0.5,
-                     dtype=self.o_proj.kernel.dtype, anchored=anchored, segment=segment).reshape(B, T, H * D)
+                segment = (layer_cache["seg_k"], layer_cache["seg_v"], ctx.seg_valid)
+        out = attend(q_BTHD, k_BTKD, v_BTKD, ctx.valid, ck, cv, ctx.cache_valid, D**-0.5,
+                     dtype=self.o_proj.kernel.dtype, anchored=ctx.anchored_softmax,
+                     segment=segment).reshape(B, T, H * D)
         if gate_BTX is not None:
             out = out * jax.nn.sigmoid(gate_BTX)
         k_BKDT, v_BKTD = k_BTKD.transpose(0, 2, 3, 1), v_BTKD.transpose(0, 2, 1, 3)
         dt = self.o_proj.kernel.dtype
-        if not update_cache:
+        if ctx.cache_write is CacheWrite.NONE:
             new_cache = None
-        elif update_cache == "segment":
+        elif ctx.cache_write is CacheWrite.SEGMENT:
             if layer_cache is None or segment is not None:
                 raise ValueError("a segment continues a cache that has none yet")
             new_cache = {"k": ck, "v": cv, "seg_k": k_BKDT.astype(dt), "seg_v": v_BKTD.astype(dt)}
         elif segment is not None:
-            raise ValueError("a cache with a segment is read-only (update_cache=False)")
+            raise ValueError("a cache with a segment is read-only (cache_write=CacheWrite.NONE)")
         elif layer_cache is None:  # a cache of exactly these T slots, in the cache dtype (the weights')
             new_cache = {"k": k_BKDT.astype(dt), "v": v_BKTD.astype(dt)}
         else:
-            new_cache = {"k": write_slots(ck, k_BKDT, offset, B, axis=3),
-                         "v": write_slots(cv, v_BKTD, offset, B, axis=2)}
+            new_cache = {"k": write_slots(ck, k_BKDT, ctx.offset, B, axis=3),
+                         "v": write_slots(cv, v_BKTD, ctx.offset, B, axis=2)}
         return self.o_proj(out), new_cache

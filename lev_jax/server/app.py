@@ -2,9 +2,11 @@
 
     app = create_app(engine, ServerConfig(max_pending=64, api_keys={"k1"}))
 
-The engine is anything with `model_name`, `plan`, `predict_many` and `info` (see
-lev_jax.engine); `supports_images` is read if present (default False). docs/API.md is the contract.
+The engine is a `lev_jax.DecisionEngine` (`model_name`, `supports_images`, `plan`, `predict_many`,
+`info`; lev_jax.Engine is one); anything else is refused when the app is created. Questions reach the
+engine in the wire's own shape. docs/API.md is the contract.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -19,8 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.encoders import jsonable_encoder
-from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
@@ -28,6 +28,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from lev_jax.engine import DecisionEngine
 from lev_jax.errors import RequestError, TokenLimitError
 from lev_jax.server import body as body_lib
 from lev_jax.server import errors as E
@@ -52,13 +53,13 @@ def api_keys_from_env(environ=os.environ) -> frozenset[str]:
 
 @dataclass
 class ServerConfig:
-    max_pending: int = 64            # queued + running requests; more get 429
-    max_batch_tokens: int = 16384    # input tokens per device call (one bigger request runs alone)
-    max_batch_rows: int = 64         # requests per device call
-    batch_wait_ms: float = 2.0       # an idle server waits this long for a burst to join the first batch
-    timeout_s: float = 60.0          # request deadline, from arrival; 504 past it
-    max_body_bytes: int = 32 << 20   # raw and decompressed body limit; 413 past it
-    drain_timeout_s: float = 60.0    # graceful shutdown: how long to wait for in-flight requests
+    max_pending: int = 64  # queued + running requests; more get 429
+    max_batch_tokens: int = 16384  # input tokens per device call (one bigger request runs alone)
+    max_batch_rows: int = 64  # requests per device call
+    batch_wait_ms: float = 2.0  # an idle server waits this long for a burst to join the first batch
+    timeout_s: float = 60.0  # request deadline, from arrival; 504 past it
+    max_body_bytes: int = 32 << 20  # raw and decompressed body limit; 413 past it
+    drain_timeout_s: float = 60.0  # graceful shutdown: how long to wait for in-flight requests
     api_keys: frozenset[str] = field(default_factory=frozenset)
     release_date: str = RELEASE_DATE
 
@@ -110,12 +111,25 @@ class RequestContext:
             self.metrics.observe_request(scope.get("method", ""), path, code, time.perf_counter() - t0)
 
 
-def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
+def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> FastAPI:
+    if not isinstance(engine, DecisionEngine):
+        raise TypeError(
+            f"create_app needs a lev_jax.DecisionEngine ({', '.join(_PROTOCOL_MEMBERS)}); "
+            f"{type(engine).__name__} lacks {', '.join(_missing_members(engine))}"
+        )
     cfg = config or ServerConfig()
-    metrics = Metrics()
-    metrics.max_pending = cfg.max_pending
-    scheduler = Scheduler(_batch_runner(engine), max_pending=cfg.max_pending, max_batch_tokens=cfg.max_batch_tokens,
-                          max_batch_rows=cfg.max_batch_rows, batch_wait_s=cfg.batch_wait_ms / 1000, metrics=metrics)
+    metrics = Metrics(
+        max_pending=cfg.max_pending, compiled_programs=lambda: _engine_info(engine).get("compiled_programs")
+    )
+    scheduler = Scheduler(
+        # (answers, usage) per request: the response reports the engine's own token counts
+        lambda requests: engine.predict_many(requests, with_usage=True),
+        max_pending=cfg.max_pending,
+        max_batch_tokens=cfg.max_batch_tokens,
+        max_batch_rows=cfg.max_batch_rows,
+        batch_wait_s=cfg.batch_wait_ms / 1000,
+        metrics=metrics,
+    )
     model_name = engine.model_name
     accepted_models = {ALIAS, model_name}
     started = time.time()
@@ -123,8 +137,14 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await scheduler.start()
-        log.info("serving %s (max_pending=%d, max_batch_tokens=%d, timeout=%gs, auth %s)", model_name,
-                 cfg.max_pending, cfg.max_batch_tokens, cfg.timeout_s, "on" if cfg.api_keys else "off")
+        log.info(
+            "serving %s (max_pending=%d, max_batch_tokens=%d, timeout=%gs, auth %s)",
+            model_name,
+            cfg.max_pending,
+            cfg.max_batch_tokens,
+            cfg.timeout_s,
+            "on" if cfg.api_keys else "off",
+        )
         try:
             yield
         finally:
@@ -134,16 +154,20 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
             if not await scheduler.drain(cfg.drain_timeout_s):
                 log.warning("shutdown: gave up on requests still in flight after %gs", cfg.drain_timeout_s)
 
-    app = FastAPI(title="lev-jax System One API", version=_version(), lifespan=lifespan,
-                  description="A Jev-compatible (TypeSafe System One) decision engine: calibrated probabilities "
-                              "over supplied candidates. Contract: docs/API.md.")
+    app = FastAPI(
+        title="lev-jax System One API",
+        version=_version(),
+        lifespan=lifespan,
+        description="A Jev-compatible (TypeSafe System One) decision engine: calibrated probabilities "
+        "over supplied candidates. Contract: docs/API.md.",
+    )
     app.state.engine = engine
     app.state.scheduler = scheduler
     app.state.metrics = metrics
     app.state.config = cfg
     app.add_middleware(RequestContext, metrics=metrics)
 
-    # -- error shapes --------------------------------------------------------------------------
+    # -- error shapes (a 422 is FastAPI's own RequestValidationError answer: that shape is the contract)
     @app.exception_handler(E.ApiError)
     async def _api_error(request: Request, exc: E.ApiError):
         return _error_response(exc.status, exc.error_type, exc.message, exc.headers)
@@ -153,10 +177,6 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         etype = E.STATUS_ERROR_TYPES.get(exc.status_code, E.API_USAGE if exc.status_code < 500 else E.INTERNAL)
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         return _error_response(exc.status_code, etype, message, getattr(exc, "headers", None))
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError):
-        return JSONResponse({"detail": jsonable_encoder(exc.errors())}, status_code=422)
 
     # -- auth ----------------------------------------------------------------------------------
     def check_auth(request: Request) -> None:
@@ -177,16 +197,21 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
             raise E.ApiError(401, E.AUTHENTICATION, "Invalid API key")
 
     # -- routes --------------------------------------------------------------------------------
-    @app.post("/v1/systemone", response_model=wire.SystemOneResponse, responses=_ERROR_RESPONSES,
-              openapi_extra=_REQUEST_BODY, summary="Answer questions about a state",
-              description="Calibrated probabilities for noul, choice and score questions about one state.")
+    @app.post(
+        "/v1/systemone",
+        response_model=wire.SystemOneResponse,
+        responses=_ERROR_RESPONSES,
+        openapi_extra=_REQUEST_BODY,
+        summary="Answer questions about a state",
+        description="Calibrated probabilities for noul, choice and score questions about one state.",
+    )
     async def systemone(request: Request):
         t0 = time.perf_counter()
         check_auth(request)
         try:
             raw = await body_lib.read_body(request, cfg.max_body_bytes)
         except ClientDisconnect:
-            metrics.cancelled += 1
+            metrics.cancelled.inc()
             return Response(status_code=499)
         args = (raw, request.headers.get("content-encoding"), request.headers.get("content-type"), cfg.max_body_bytes)
         # small bodies inline; large ones (decompression, JSON, validation) off the event loop
@@ -196,31 +221,39 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
             raise E.usage_error(f"Unknown model: {req.model}")
         boxes = [qid for qid, q in req.questions.items() if q.type == "box"]
         if boxes:
-            raise E.usage_error(f"Model {model_name} cannot locate boxes: question {boxes[0]!r} has type 'box', "
-                                "which needs a vision model; use noul, choice or score")
+            raise E.usage_error(
+                f"Model {model_name} cannot locate boxes: question {boxes[0]!r} has type 'box', "
+                "which needs a vision model; use noul, choice or score"
+            )
         images = body_lib.resolve_assets(req.assets, parts, req.state, req.questions)
-        if images and not getattr(engine, "supports_images", False):
+        if images and not engine.supports_images:
             where = sorted({w for img in images for w in img.references})
             raise E.usage_error(
                 f"Model {model_name} is text-only and cannot read images: the request has {len(images)} image "
-                f"asset(s)" + (f" referenced in {', '.join(where)}" if where else "")
-                + ". Remove the images or use a vision model (not served here yet).")
+                f"asset(s)"
+                + (f" referenced in {', '.join(where)}" if where else "")
+                + ". Remove the images or use a vision model (not served here yet)."
+            )
 
-        questions = {qid: wire.to_engine_question(q) for qid, q in req.questions.items()}
+        # the wire shape is the engine's shape: nulls mean "nothing", as the engine reads them
+        questions = {qid: q.model_dump() for qid, q in req.questions.items()}
         try:  # plan once: count tokens and refuse over-budget requests before they queue
             plan = await run_in_threadpool(engine.plan, req.state, questions)
             counts = plan.token_counts()
         except TokenLimitError as e:
             raise E.too_large(str(e)) from None
         except RequestError as e:
-            raise E.ApiError(400, getattr(e, "error_type", E.API_USAGE), str(e)) from None
+            raise E.ApiError(400, e.error_type, str(e)) from None
 
         try:
             ticket = scheduler.submit(plan, None, counts["input_tokens"])
         except QueueFull as e:
-            raise E.ApiError(429, E.RATE_LIMIT, f"Server busy: {cfg.max_pending} requests in flight; retry after "
-                             f"{e.retry_after_s:.2f}s", {"Retry-After": str(e.retry_after),
-                                                          "retry-after-ms": str(math.ceil(e.retry_after_s * 1000))}) from None
+            raise E.ApiError(
+                429,
+                E.RATE_LIMIT,
+                f"Server busy: {cfg.max_pending} requests in flight; retry after {e.retry_after_s:.2f}s",
+                {"Retry-After": str(e.retry_after), "retry-after-ms": str(math.ceil(e.retry_after_s * 1000))},
+            ) from None
         except ShuttingDown:
             raise E.ApiError(503, E.OVERLOADED, "Server is shutting down", {"Retry-After": "5"}) from None
 
@@ -228,15 +261,15 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         try:
             answers = await _await(request, ticket, max(0.0, remaining))
         except _ClientGone:
-            metrics.cancelled += 1
+            metrics.cancelled.inc()
             return Response(status_code=499)
-        except asyncio.TimeoutError:
-            metrics.timeouts += 1
+        except TimeoutError:
+            metrics.timed_out.inc()
             raise E.ApiError(504, E.TIMEOUT, f"No answer within the server timeout of {cfg.timeout_s:g}s") from None
         except TokenLimitError as e:
             raise E.too_large(str(e)) from None
         except RequestError as e:
-            raise E.ApiError(400, getattr(e, "error_type", E.API_USAGE), str(e)) from None
+            raise E.ApiError(400, e.error_type, str(e)) from None
         except ShuttingDown:
             raise E.ApiError(503, E.OVERLOADED, "Server is shutting down", {"Retry-After": "5"}) from None
         except Exception:  # noqa: BLE001 — the engine failed on this request: a server bug, not bad input
@@ -244,9 +277,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
             log.exception("engine failed on request %s", rid)
             raise E.ApiError(500, E.INTERNAL, f"Internal server error (request {rid})") from None
 
-        usage_reported = {}
-        if isinstance(answers, tuple):  # (answers, usage) from predict_many(..., with_usage=True)
-            answers, usage_reported = answers
+        answers, usage_reported = answers  # predict_many(..., with_usage=True): (answers, usage)
         ordered = {}
         for qid, q in req.questions.items():
             a = answers[qid]
@@ -256,8 +287,14 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         input_tokens = int(usage_reported.get("input_tokens", counts["input_tokens"]))
         usage = {"input_tokens": input_tokens, "output_tokens": len(ordered)}
         metrics.observe_answer(usage["input_tokens"], usage["output_tokens"])
-        return JSONResponse({"model": model_name, "answers": ordered, "usage": usage,
-                             "x_cached_input_tokens": int(usage_reported.get("cached_input_tokens", 0))})
+        return JSONResponse(
+            {
+                "model": model_name,
+                "answers": ordered,
+                "usage": usage,
+                "x_cached_input_tokens": int(usage_reported.get("cached_input_tokens", 0)),
+            }
+        )
 
     async def _await(request: Request, ticket, timeout: float):
         gone = asyncio.ensure_future(_disconnected(request))
@@ -270,18 +307,30 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         scheduler.cancel(ticket)
         if gone in done:
             raise _ClientGone()
-        raise asyncio.TimeoutError()
+        raise TimeoutError()
 
-    @app.get("/v1/models", response_model=wire.ModelList, responses={k: _ERROR_RESPONSES[k] for k in (401, 403)},
-             summary="List the models this server answers for")
+    @app.get(
+        "/v1/models",
+        response_model=wire.ModelList,
+        responses={k: _ERROR_RESPONSES[k] for k in (401, 403)},
+        summary="List the models this server answers for",
+    )
     async def models(request: Request):
         check_auth(request)
-        return {"models": [
-            {"name": ALIAS, "description": f"Alias of {model_name}, the model this server runs.",
-             "release_date": cfg.release_date},
-            {"name": model_name, "description": f"{model_name}: System One decision engine (lev-jax, text only).",
-             "release_date": cfg.release_date},
-        ]}
+        return {
+            "models": [
+                {
+                    "name": ALIAS,
+                    "description": f"Alias of {model_name}, the model this server runs.",
+                    "release_date": cfg.release_date,
+                },
+                {
+                    "name": model_name,
+                    "description": f"{model_name}: System One decision engine (lev-jax, text only).",
+                    "release_date": cfg.release_date,
+                },
+            ]
+        }
 
     @app.get("/health", summary="Liveness, configuration and load")
     async def health():
@@ -295,7 +344,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
             "mode_b": info.get("mode_b"),
             "noul_readout": info.get("noul_readout"),
             "option_cap": info.get("option_cap"),
-            "supports_images": bool(getattr(engine, "supports_images", False)),
+            "supports_images": bool(engine.supports_images),
             "in_flight": scheduler.pending,
             "queued": scheduler.queued,
             "max_pending": cfg.max_pending,
@@ -311,11 +360,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
 
     @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics")
     async def prometheus():
-        info = _engine_info(engine)
-        extra = {}
-        if isinstance(info.get("compiled_programs"), (int, float)):
-            extra["lev_compiled_programs"] = ("Device programs compiled so far.", info["compiled_programs"])
-        return PlainTextResponse(metrics.render(extra), media_type=METRICS_CONTENT_TYPE)
+        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema:
@@ -324,9 +369,13 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         comps = schema.setdefault("components", {}).setdefault("schemas", {})
         for name, sub in _request_schemas().items():
             comps.setdefault(name, sub)
-        schema["components"]["securitySchemes"] = {"bearer": {
-            "type": "http", "scheme": "bearer",
-            "description": f"Required only when the server has keys in ${API_KEYS_ENV}; otherwise ignored."}}
+        schema["components"]["securitySchemes"] = {
+            "bearer": {
+                "type": "http",
+                "scheme": "bearer",
+                "description": f"Required only when the server has keys in ${API_KEYS_ENV}; otherwise ignored.",
+            }
+        }
         for path in ("/v1/systemone", "/v1/models"):
             for op in schema["paths"].get(path, {}).values():
                 op["security"] = [{"bearer": []}, {}]
@@ -337,11 +386,15 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
                     headers = resp.setdefault("headers", {})
                     headers[REQUEST_ID_HEADER] = rid
                     if code in ("429", "503"):
-                        headers["Retry-After"] = {"description": "Seconds to wait before retrying (integer, >= 1).",
-                                                  "schema": {"type": "integer"}}
+                        headers["Retry-After"] = {
+                            "description": "Seconds to wait before retrying (integer, >= 1).",
+                            "schema": {"type": "integer"},
+                        }
                     if code == "429":
-                        headers["retry-after-ms"] = {"description": "The same wait in milliseconds (what the SDKs read first).",
-                                                     "schema": {"type": "integer"}}
+                        headers["retry-after-ms"] = {
+                            "description": "The same wait in milliseconds (what the SDKs read first).",
+                            "schema": {"type": "integer"},
+                        }
         app.openapi_schema = schema
         return schema
 
@@ -364,17 +417,15 @@ def _parse(raw: bytes, content_encoding: str | None, content_type: str | None, m
         raise E.from_pydantic(e) from None
 
 
-def _batch_runner(engine):
-    """engine.predict_many, asking for per-request usage when the engine can report it."""
-    import inspect
+# The protocol's members, for the error that names what a non-engine lacks.
+_PROTOCOL_MEMBERS = (
+    *DecisionEngine.__annotations__,
+    *(n for n, v in vars(DecisionEngine).items() if callable(v) and not n.startswith("_")),
+)
 
-    try:
-        with_usage = "with_usage" in inspect.signature(engine.predict_many).parameters
-    except (TypeError, ValueError):
-        with_usage = False
-    if with_usage:
-        return lambda requests: engine.predict_many(requests, with_usage=True)
-    return engine.predict_many
+
+def _missing_members(obj) -> list[str]:
+    return [m for m in _PROTOCOL_MEMBERS if not hasattr(obj, m)]
 
 
 async def _disconnected(request: Request) -> None:
@@ -397,6 +448,7 @@ def _engine_info(engine) -> dict:
 def _version() -> str:
     try:
         import lev_jax
+
         return lev_jax.__version__
     except Exception:  # noqa: BLE001
         return "0"
@@ -413,17 +465,24 @@ def _request_schemas() -> dict[str, Any]:
     return defs
 
 
-_REQUEST_BODY = {"requestBody": {
-    "required": True,
-    "description": "JSON, optionally with Content-Encoding zstd, gzip or deflate. Requests with images may be "
-                   "multipart/form-data: a JSON part `request` and one raw part per asset (`asset-0`, ...).",
-    "content": {
-        "application/json": {"schema": {"$ref": "#/components/schemas/SystemOneRequest"}},
-        "multipart/form-data": {"schema": {
-            "type": "object", "required": ["request"],
-            "properties": {"request": {"$ref": "#/components/schemas/SystemOneRequest"}},
-            "additionalProperties": {"type": "string", "format": "binary"}}},
-    }}}
+_REQUEST_BODY = {
+    "requestBody": {
+        "required": True,
+        "description": "JSON, optionally with Content-Encoding zstd, gzip or deflate. Requests with images may be "
+        "multipart/form-data: a JSON part `request` and one raw part per asset (`asset-0`, ...).",
+        "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/SystemOneRequest"}},
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["request"],
+                    "properties": {"request": {"$ref": "#/components/schemas/SystemOneRequest"}},
+                    "additionalProperties": {"type": "string", "format": "binary"},
+                }
+            },
+        },
+    }
+}
 
 
 def _err(description: str) -> dict:
@@ -431,12 +490,16 @@ def _err(description: str) -> dict:
 
 
 _ERROR_RESPONSES: dict[int | str, dict] = {
-    400: _err("api_usage_error: unknown model, a box question, images for a text-only model, asset problems, "
-              "or a body that cannot be decompressed"),
+    400: _err(
+        "api_usage_error: unknown model, a box question, images for a text-only model, asset problems, "
+        "or a body that cannot be decompressed"
+    ),
     401: _err("authentication_error: wrong API key"),
     403: _err("authentication_error: missing API key"),
-    413: _err("request_too_large: over the token budget (64k tokens per request, 32k for state + longest question) "
-              "or over the body size limit"),
+    413: _err(
+        "request_too_large: over the token budget (64k tokens per request, 32k for state + longest question) "
+        "or over the body size limit"
+    ),
     415: _err("api_usage_error: unsupported Content-Encoding"),
     422: {"description": "Validation error", "model": wire.HTTPValidationError},
     429: _err("rate_limit_error: the queue is full; see Retry-After"),

@@ -5,6 +5,7 @@ FastAPI parses JSON bodies itself only when they arrive uncompressed and as appl
 official SDK zstd-compresses every body of 1 KiB or more and sends images as multipart, so the
 server reads the raw bytes and does every step here. Validation errors keep FastAPI's shape.
 """
+
 from __future__ import annotations
 
 import base64
@@ -24,6 +25,7 @@ MAX_DEPTH = 64  # nesting of JSON containers in a body
 
 
 # ---------------------------------------------------------------- raw bytes
+
 
 async def read_body(request, max_bytes: int) -> bytes:
     """The raw (possibly compressed) body, refusing more than `max_bytes` with 413."""
@@ -59,8 +61,9 @@ def decode_content(data: bytes, content_encoding: str | None, max_bytes: int) ->
                     raise
                 data = _unzlib(data, max_bytes, -zlib.MAX_WBITS, "deflate")  # raw deflate, as some clients send
         else:
-            raise ApiError(415, "api_usage_error",
-                           f"Unsupported Content-Encoding {coding!r}; use zstd, gzip, deflate or identity")
+            raise ApiError(
+                415, "api_usage_error", f"Unsupported Content-Encoding {coding!r}; use zstd, gzip, deflate or identity"
+            )
     return data
 
 
@@ -108,6 +111,7 @@ def _unzlib(data: bytes, max_bytes: int, wbits: int, name: str) -> bytes:
 
 # ---------------------------------------------------------------- JSON
 
+
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
@@ -119,7 +123,9 @@ def parse_json(data: bytes) -> Any:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise validation_error((e.start,), "JSON decode error", "json_invalid", {}, {"error": "Invalid UTF-8"}) from None
+        raise validation_error(
+            (e.start,), "JSON decode error", "json_invalid", {}, {"error": "Invalid UTF-8"}
+        ) from None
     if text.startswith("\ufeff"):
         text = text[1:]
     try:
@@ -129,8 +135,7 @@ def parse_json(data: bytes) -> Any:
     except ValueError as e:
         raise validation_error((0,), "JSON decode error", "json_invalid", {}, {"error": str(e)}) from None
     except RecursionError:
-        raise validation_error((0,), "JSON decode error", "json_invalid", {},
-                               {"error": "nested too deeply"}) from None
+        raise validation_error((0,), "JSON decode error", "json_invalid", {}, {"error": "nested too deeply"}) from None
     check_value(value)
     return value
 
@@ -145,8 +150,13 @@ def check_value(value: Any, max_depth: int = MAX_DEPTH) -> None:
             _check_str(v, path)
         elif isinstance(v, (dict, list)):
             if depth >= max_depth:
-                raise validation_error(path, f"Value error, JSON nested deeper than {max_depth} levels",
-                                       "value_error", None, {"error": "too deep"})
+                raise validation_error(
+                    path,
+                    f"Value error, JSON nested deeper than {max_depth} levels",
+                    "value_error",
+                    None,
+                    {"error": "too deep"},
+                )
             items = v.items() if isinstance(v, dict) else enumerate(v)
             for k, item in items:
                 if isinstance(k, str):
@@ -158,11 +168,11 @@ def _check_str(s: str, path: tuple) -> None:
     try:
         s.encode("utf-8")
     except UnicodeEncodeError:
-        raise validation_error(path, "String should not contain unpaired surrogates", "string_unicode",
-                               None) from None
+        raise validation_error(path, "String should not contain unpaired surrogates", "string_unicode", None) from None
 
 
 # ---------------------------------------------------------------- multipart/form-data
+
 
 @dataclass
 class Part:
@@ -199,7 +209,7 @@ def parse_multipart(data: bytes, content_type: str) -> dict[str, Part]:
         if head_end < 0:
             raise usage_error("malformed multipart/form-data body: a part has no header block")
         head = seg[:head_end].decode("utf-8", "replace")
-        content = seg[head_end + 4:]
+        content = seg[head_end + 4 :]
         headers: dict[str, str] = {}
         for line in head.split("\r\n")[1:]:  # first line is the rest of the delimiter line
             if ":" in line:
@@ -225,8 +235,9 @@ def request_from_multipart(parts: dict[str, Part]) -> Any:
     """The JSON document of the part named `request`."""
     req = parts.get("request")
     if req is None:
-        raise validation_error(("request",), "Field required: a multipart body needs a JSON part named 'request'",
-                               "missing", None)
+        raise validation_error(
+            ("request",), "Field required: a multipart body needs a JSON part named 'request'", "missing", None
+        )
     return parse_json(req.data)
 
 
@@ -240,7 +251,9 @@ class Image:
     alias: str
     data: bytes
     format: str | None  # detected from the bytes; None if neither PNG nor JPEG
-    references: list[str] = field(default_factory=list)  # where the placeholder appears ("state", "questions.q.instructions", ...)
+    references: list[str] = field(
+        default_factory=list
+    )  # where the placeholder appears ("state", "questions.q.instructions", ...)
 
 
 def _detect(data: bytes) -> str | None:
@@ -260,10 +273,14 @@ def resolve_assets(assets: dict | None, parts: dict[str, Part] | None, state: An
     for alias, asset in (assets or {}).items():
         if asset.part is not None:
             if parts is None or asset.part not in parts:
-                raise usage_error(f"Asset {alias!r} names part {asset.part!r}, which the request does not have"
-                                  + ("" if parts else " (send it as multipart/form-data)"))
+                raise usage_error(
+                    f"Asset {alias!r} names part {asset.part!r}, which the request does not have"
+                    + ("" if parts else " (send it as multipart/form-data)")
+                )
             if asset.part in claimed:
-                raise usage_error(f"Part {asset.part!r} is claimed by two assets ({claimed[asset.part]!r} and {alias!r})")
+                raise usage_error(
+                    f"Part {asset.part!r} is claimed by two assets ({claimed[asset.part]!r} and {alias!r})"
+                )
             claimed[asset.part] = alias
             data = parts[asset.part].data
         else:
@@ -300,11 +317,10 @@ def _strings(value: Any, where: str):
 def _find_references(images: list[Image], state: Any, questions: dict) -> None:
     sources = [(state, "state")]
     for qid, q in questions.items():
-        sources.append((q.instructions, f"questions.{qid}.instructions"))
-        crit = getattr(q, "criteria", None)
+        q = q.model_dump()  # plain data for every question type (a box question has no criteria)
+        sources.append((q["instructions"], f"questions.{qid}.instructions"))
+        crit = q.get("criteria")
         if crit is not None:
-            if hasattr(crit, "model_dump"):
-                crit = crit.model_dump()
             if isinstance(crit, dict):
                 sources.extend((name, f"questions.{qid}.criteria") for name in crit)
             sources.append((crit, f"questions.{qid}.criteria"))

@@ -1,8 +1,9 @@
-"""`python -m serve`: load an engine, then serve it with uvicorn.
+"""`lev serve` (from the repository root also `python -m serve`): load an engine, then serve it with uvicorn.
 
 The port is bound only after the model is loaded (and warmed up), so a client that can connect can
 be answered. SIGINT/SIGTERM: stop accepting, finish what is in flight, exit.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,60 +33,123 @@ def uvicorn_config(app, *, host: str, port: int, log_level: str = "info", drain_
     tests meet the connection handling clients do."""
     import uvicorn
 
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on",
-                          timeout_graceful_shutdown=drain_timeout_s + 5, server_header=False,
-                          timeout_keep_alive=KEEP_ALIVE_S)
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=drain_timeout_s + 5,
+        server_header=False,
+        timeout_keep_alive=KEEP_ALIVE_S,
+    )
 
 
-def build_parser() -> argparse.ArgumentParser:
+PROG = "lev serve"  # how the installed console script runs this; serve/__main__.py passes its own
+
+
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     d = ServerConfig()
-    p = argparse.ArgumentParser(prog="python -m serve", description=(
-        "Serve a Jev-compatible POST /v1/systemone API. API keys: $" + API_KEYS_ENV
-        + " (comma- or space-separated); auth is off when it is empty. Contract: docs/API.md."))
-    p.add_argument("--model", default=None, help="checkpoint directory, .gguf file or hub id (default: the embedded SmolLM2-135M)")
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=(
+            "Serve a Jev-compatible POST /v1/systemone API. API keys: $"
+            + API_KEYS_ENV
+            + " (comma- or space-separated); auth is off when it is empty. Contract: docs/API.md."
+        ),
+    )
+    p.add_argument(
+        "--model", default=None, help="checkpoint directory, .gguf file or hub id (default: the embedded SmolLM2-135M)"
+    )
     p.add_argument("--checkpoint", default=None, help="fine-tuned checkpoint (LoRA + heads) on top of --model")
     p.add_argument("--prompt-style", default="chat", choices=("chat", "plain"))
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-pending", type=int, default=d.max_pending,
-                   help=f"requests queued or running at once; more are answered 429 (default {d.max_pending})")
-    p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
-                   help=f"input tokens per device call (default {d.max_batch_tokens})")
-    p.add_argument("--max-batch-rows", type=int, default=d.max_batch_rows,
-                   help=f"requests per device call (default {d.max_batch_rows})")
-    p.add_argument("--batch-wait-ms", type=float, default=d.batch_wait_ms,
-                   help=f"an idle server waits this long for concurrent requests to join a batch (default {d.batch_wait_ms:g})")
-    p.add_argument("--timeout", type=float, default=d.timeout_s,
-                   help=f"seconds from arrival to answer before a 504 (default {d.timeout_s:g})")
-    p.add_argument("--max-body-mb", type=float, default=d.max_body_bytes / 2**20,
-                   help=f"request body limit, compressed and decompressed (default {d.max_body_bytes / 2**20:g})")
-    p.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
-                   help="on shutdown, how long to wait for requests in flight (default %(default)g)")
-    p.add_argument("--compilation-cache", metavar="DIR", default=None,
-                   help="keep compiled device programs in DIR, so a restart skips compiling what it has seen")
+    p.add_argument(
+        "--max-pending",
+        type=int,
+        default=d.max_pending,
+        help=f"requests queued or running at once; more are answered 429 (default {d.max_pending})",
+    )
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=d.max_batch_tokens,
+        help=f"input tokens per device call (default {d.max_batch_tokens})",
+    )
+    p.add_argument(
+        "--max-batch-rows",
+        type=int,
+        default=d.max_batch_rows,
+        help=f"requests per device call (default {d.max_batch_rows})",
+    )
+    p.add_argument(
+        "--batch-wait-ms",
+        type=float,
+        default=d.batch_wait_ms,
+        help=f"an idle server waits this long for concurrent requests to join a batch (default {d.batch_wait_ms:g})",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=d.timeout_s,
+        help=f"seconds from arrival to answer before a 504 (default {d.timeout_s:g})",
+    )
+    p.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=d.max_body_bytes / 2**20,
+        help=f"request body limit, compressed and decompressed (default {d.max_body_bytes / 2**20:g})",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=d.drain_timeout_s,
+        help="on shutdown, how long to wait for requests in flight (default %(default)g)",
+    )
+    p.add_argument(
+        "--compilation-cache",
+        metavar="DIR",
+        default=None,
+        help="keep compiled device programs in DIR, so a restart skips compiling what it has seen",
+    )
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up request at start-up")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     return p
 
 
-def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    for name in ("max_pending", "max_batch_tokens", "max_batch_rows"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
+def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ServerConfig:
+    """The server settings; a value out of range is a usage error (one line, exit code 2)."""
+    for flag, value in (
+        ("--max-pending", args.max_pending),
+        ("--max-batch-tokens", args.max_batch_tokens),
+        ("--max-batch-rows", args.max_batch_rows),
+    ):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1")
     if args.timeout <= 0:
-        raise SystemExit("--timeout must be positive")
-    return ServerConfig(max_pending=args.max_pending, max_batch_tokens=args.max_batch_tokens,
-                        max_batch_rows=args.max_batch_rows, batch_wait_ms=args.batch_wait_ms, timeout_s=args.timeout,
-                        max_body_bytes=int(args.max_body_mb * 2**20), drain_timeout_s=args.drain_timeout,
-                        api_keys=api_keys_from_env())
+        parser.error("--timeout must be positive")
+    return ServerConfig(
+        max_pending=args.max_pending,
+        max_batch_tokens=args.max_batch_tokens,
+        max_batch_rows=args.max_batch_rows,
+        batch_wait_ms=args.batch_wait_ms,
+        timeout_s=args.timeout,
+        max_body_bytes=int(args.max_body_mb * 2**20),
+        drain_timeout_s=args.drain_timeout,
+        api_keys=api_keys_from_env(),
+    )
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
-    config = config_from_args(args)
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    config = config_from_args(args, parser)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
 
     import uvicorn
 
@@ -99,10 +163,11 @@ def main(argv: list[str] | None = None) -> int:
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     t0 = time.perf_counter()
     try:
-        engine = lev_jax.load(model=args.model, checkpoint=args.checkpoint, prompt_style=args.prompt_style,
-                              dtype=args.dtype)
+        engine = lev_jax.load(
+            model=args.model, checkpoint=args.checkpoint, prompt_style=args.prompt_style, dtype=args.dtype
+        )
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
-        print(f"python -m serve: cannot load the model: {e}", file=sys.stderr)
+        print(f"{prog}: cannot load the model: {e}", file=sys.stderr)
         return 2
     log.info("loaded %s in %.1fs", engine.model_name, time.perf_counter() - t0)
     if not args.no_warmup:
@@ -110,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         engine.predict_many([("Warm-up.", WARMUP_QUESTIONS)])
         log.info("warmed up in %.1fs", time.perf_counter() - t0)
     app = create_app(engine, config)
-    uv = uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level,
-                        drain_timeout_s=config.drain_timeout_s)
+    uv = uvicorn_config(
+        app, host=args.host, port=args.port, log_level=args.log_level, drain_timeout_s=config.drain_timeout_s
+    )
     uvicorn.Server(uv).run()
     return 0

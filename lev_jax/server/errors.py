@@ -6,6 +6,7 @@
 
 Clients retry 5xx, so a 5xx means the server is at fault; bad input never gets one.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -45,7 +46,9 @@ def too_large(message: str) -> ApiError:
     return ApiError(413, TOO_LARGE, message)
 
 
-def validation_error(loc: tuple | list, msg: str, type_: str, input_: Any = None, ctx: dict | None = None) -> RequestValidationError:
+def validation_error(
+    loc: tuple | list, msg: str, type_: str, input_: Any = None, ctx: dict | None = None
+) -> RequestValidationError:
     """One FastAPI-shaped validation error; `loc` is given without the leading "body"."""
     err: dict[str, Any] = {"type": type_, "loc": ("body", *loc), "msg": msg, "input": input_}
     if ctx is not None:

@@ -11,6 +11,7 @@ Admission is bounded: at most `max_pending` requests are queued or running; the 
 passed, is cancelled: dropped from the queue if it has not started, its result discarded if it has.
 `close()` refuses new work (`ShuttingDown`, 503) and `drain()` waits for what is in flight.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -60,8 +61,16 @@ class Ticket:
 
 
 class Scheduler:
-    def __init__(self, run_batch: RunBatch, *, max_pending: int = 64, max_batch_tokens: int = 16384,
-                 max_batch_rows: int = 64, batch_wait_s: float = 0.0, metrics=None):
+    def __init__(
+        self,
+        run_batch: RunBatch,
+        *,
+        max_pending: int = 64,
+        max_batch_tokens: int = 16384,
+        max_batch_rows: int = 64,
+        batch_wait_s: float = 0.0,
+        metrics=None,
+    ):
         if max_pending < 1 or max_batch_tokens < 1 or max_batch_rows < 1:
             raise ValueError("max_pending, max_batch_tokens and max_batch_rows must be positive")
         self.run_batch = run_batch
@@ -78,7 +87,7 @@ class Scheduler:
         self._worker: asyncio.Task | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._closing = False
-        self._batch_s = 0.0   # EMA of batch wall time
+        self._batch_s = 0.0  # EMA of batch wall time
         self._batch_rows = 1.0  # EMA of rows per batch
         self.batches = 0
 
@@ -114,7 +123,7 @@ class Scheduler:
         if self._idle is not None and self._pending:
             try:
                 await asyncio.wait_for(self._idle.wait(), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 done = False
         await self.stop()
         return done
@@ -225,7 +234,9 @@ class Scheduler:
             self._running = batch
             self._gauge()
             try:
-                results = await loop.run_in_executor(self._executor, self._call, [(t.state, t.questions) for t in batch])
+                results = await loop.run_in_executor(
+                    self._executor, self._call, [(t.state, t.questions) for t in batch]
+                )
             except asyncio.CancelledError:
                 for t in batch:
                     if not t.future.done():

@@ -1,6 +1,7 @@
 """Running a server for tests, the load test and conformance runs: on a free loopback port, either as
-a `python -m serve` subprocess (what clients meet) or as uvicorn in a thread over an engine already
-loaded (cheap to start several with different settings)."""
+a `lev serve` subprocess (what clients meet) or as uvicorn in a thread over an engine already loaded
+(cheap to start several with different settings)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -44,28 +45,41 @@ def wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None)
 def compile_cache_env(cache_dir: str | os.PathLike) -> dict[str, str]:
     """Environment that makes JAX keep compiled programs on disk, so a second server (or a rerun)
     skips compilation it has seen."""
-    return {"JAX_COMPILATION_CACHE_DIR": str(cache_dir), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    return {
+        "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
 
 
 class ServerProcess:
-    """`python -m serve ARGS` on a free loopback port; stopped with SIGTERM (graceful) on exit."""
+    """`lev serve ARGS` on a free loopback port; stopped with SIGTERM (graceful) on exit. Runs
+    `python -m lev_jax.cli serve` with this interpreter, so it needs only the installed package (no
+    repository checkout, no console script on PATH); `cwd` defaults to the caller's."""
 
-    def __init__(self, args: list[str], *, env: dict[str, str] | None = None, api_keys: str | None = None,
-                 startup_timeout: float = 180.0, log_path: str | os.PathLike | None = None, cwd: str | None = None):
+    def __init__(
+        self,
+        args: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        api_keys: str | None = None,
+        startup_timeout: float = 180.0,
+        log_path: str | os.PathLike | None = None,
+        cwd: str | None = None,
+    ):
         self.port = free_port()
         self.url = f"http://{LOOPBACK}:{self.port}"
-        self.args = [sys.executable, "-m", "serve", "--host", LOOPBACK, "--port", str(self.port), *args]
+        self.args = [sys.executable, "-m", "lev_jax.cli", "serve", "--host", LOOPBACK, "--port", str(self.port), *args]
         self.env = {**os.environ, **(env or {})}
         self.env.pop("LEV_API_KEYS", None)
         if api_keys:
             self.env["LEV_API_KEYS"] = api_keys
         self.startup_timeout = startup_timeout
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="lev-serve-", suffix=".log")[1])
-        self.cwd = cwd or str(Path(__file__).resolve().parents[2])
+        self.cwd = cwd
         self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd)
         try:
@@ -119,7 +133,7 @@ class ThreadServer:
     def _run(self) -> None:
         asyncio.run(self.server.serve())
 
-    def __enter__(self) -> "ThreadServer":
+    def __enter__(self) -> ThreadServer:
         self.thread.start()
         deadline = time.monotonic() + self.startup_timeout
         while not self.server.started:

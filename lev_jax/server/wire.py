@@ -5,22 +5,25 @@ document: every limit a request can break is a constraint here, so the 422 a cli
 schema it reads agree. Field order and names follow the official OpenAPI file.
 
 Deviations from the official schema, all stricter and all documented in docs/API.md:
-- choice questions take 2..255 options and score questions 2..10 levels (the documented ranges);
+- choice questions take 2..255 options and score questions 2..10 levels (the documented ranges,
+  lev_jax.domain.CHOICE_OPTIONS / SCORE_LEVELS);
 - question objects and noul criteria reject unknown fields (a typo such as `instruction` would
   otherwise be answered silently without the text it meant to send).
+
+A validated question goes to the engine as `question.model_dump()`: the wire shape is the engine's
+shape (lev_jax.readout renders structured text and reads noul criteria keyed true/false itself).
 """
+
 from __future__ import annotations
 
-import json
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-# Text a client may send wherever the API takes "content": a string, a JSON object or an array.
-StructuredText = Union[str, dict[str, Any], list[Any]]
+from lev_jax.domain import CHOICE_OPTIONS, SCORE_LEVELS
 
-CHOICE_OPTIONS = (2, 255)
-SCORE_LEVELS = (2, 10)
+# Text a client may send wherever the API takes "content": a string, a JSON object or an array.
+StructuredText = str | dict[str, Any] | list[Any]
 
 NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
 
@@ -47,8 +50,12 @@ class ChoiceQuestion(_Strict):
     instructions: StructuredText | None = Field(None, description="What to decide when choosing an option.")
     criteria: Annotated[
         dict[NonEmptyStr, StructuredText | None],
-        Field(min_length=CHOICE_OPTIONS[0], max_length=CHOICE_OPTIONS[1],
-              description="Option names (2 to 255, non-empty) mapped to a description, or null for none."),
+        Field(
+            min_length=CHOICE_OPTIONS[0],
+            max_length=CHOICE_OPTIONS[1],
+            description=f"Option names ({CHOICE_OPTIONS[0]} to {CHOICE_OPTIONS[1]}, non-empty) mapped to a "
+            "description, or null for none.",
+        ),
     ]
 
 
@@ -57,9 +64,12 @@ class ScoreQuestion(_Strict):
     instructions: StructuredText | None = Field(None, description="What to rate.")
     criteria: Annotated[
         list[StructuredText],
-        Field(min_length=SCORE_LEVELS[0], max_length=SCORE_LEVELS[1],
-              description="2 to 10 ordered level descriptions; a level's position is its score. "
-                          "The map form ({\"0\": ...}) is not accepted."),
+        Field(
+            min_length=SCORE_LEVELS[0],
+            max_length=SCORE_LEVELS[1],
+            description=f"{SCORE_LEVELS[0]} to {SCORE_LEVELS[1]} ordered level descriptions; a level's position "
+            'is its score. The map form ({"0": ...}) is not accepted.',
+        ),
     ]
 
 
@@ -70,7 +80,7 @@ class BoxQuestion(_Strict):
     instructions: StructuredText | None = Field(None, description="What to locate.")
 
 
-Question = Annotated[Union[NoulQuestion, ChoiceQuestion, ScoreQuestion, BoxQuestion], Field(discriminator="type")]
+Question = Annotated[NoulQuestion | ChoiceQuestion | ScoreQuestion | BoxQuestion, Field(discriminator="type")]
 
 
 _ASSET_FORMS = {"anyOf": [{"required": ["part"]}, {"required": ["format", "data_base64"]}]}
@@ -87,7 +97,7 @@ class Asset(_Strict):
     part: NonEmptyStr = Field(None, description="Multipart part holding the raw bytes (then data_base64 is ignored).")
 
     @model_validator(mode="after")
-    def _has_data(self) -> "Asset":
+    def _has_data(self) -> Asset:
         if self.part is None and (self.data_base64 is None or self.format is None):
             raise ValueError("an asset needs format and data_base64 or, in a multipart request, part")
         return self
@@ -99,18 +109,21 @@ class SystemOneRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(description="Model name: `jev-latest` or a name from GET /v1/models.", examples=["jev-latest"])
-    state: StructuredText = Field(description="The content every question refers to: a string, an object or an array.",
-                                  examples=["I was charged twice. Please help."])
+    state: StructuredText = Field(
+        description="The content every question refers to: a string, an object or an array.",
+        examples=["I was charged twice. Please help."],
+    )
     questions: Annotated[
         dict[NonEmptyStr, Question],
-        Field(min_length=1,
-              description="Questions keyed by any non-empty id; answers use the same ids."),
+        Field(min_length=1, description="Questions keyed by any non-empty id; answers use the same ids."),
     ]
     assets: Annotated[dict[NonEmptyStr, Asset], Field(min_length=1)] | None = Field(
-        None, description="Image assets keyed by the placeholder used for them in state, instructions or criteria.")
+        None, description="Image assets keyed by the placeholder used for them in state, instructions or criteria."
+    )
 
 
 # ---------------------------------------------------------------- responses (for the OpenAPI document)
+
 
 class NoulAnswer(BaseModel):
     type: Literal["noul"]
@@ -127,28 +140,37 @@ class ChoiceAnswer(BaseModel):
 class ScoreAnswer(BaseModel):
     type: Literal["score"]
     score: float = Field(description="Expected level: sum of i * p_i.")
-    confidence: float = Field(ge=0, le=1, description="1 - spread around the mode / spread of the uniform distribution.")
-    legend: dict[str, StructuredText] = Field(description="\"0\"..\"n-1\" mapped to the request's levels.")
-    probabilities: dict[str, float] = Field(description="Probability of every level, keyed \"0\"..\"n-1\"; sums to 1.")
+    confidence: float = Field(
+        ge=0, le=1, description="1 - spread around the mode / spread of the uniform distribution."
+    )
+    legend: dict[str, StructuredText] = Field(description='"0".."n-1" mapped to the request\'s levels.')
+    probabilities: dict[str, float] = Field(description='Probability of every level, keyed "0".."n-1"; sums to 1.')
 
 
-Answer = Annotated[Union[NoulAnswer, ChoiceAnswer, ScoreAnswer], Field(discriminator="type")]
+Answer = Annotated[NoulAnswer | ChoiceAnswer | ScoreAnswer, Field(discriminator="type")]
 
 
 class Usage(BaseModel):
-    input_tokens: int = Field(ge=0, description="Tokens the model read: the state prefix once, plus every question row.")
-    output_tokens: int = Field(ge=0, description="Always 0: answers are read from next-token distributions, nothing is generated.")
+    input_tokens: int = Field(
+        ge=0, description="Tokens the model read: the state prefix once, plus every question row."
+    )
+    output_tokens: int = Field(
+        ge=0, description="One per question: one answer position is read per question; nothing is generated."
+    )
 
 
 class SystemOneResponse(BaseModel):
-    model_config = ConfigDict(extra="allow", json_schema_extra={
-        "description": "Extension fields are prefixed `x_`."})
+    model_config = ConfigDict(extra="allow", json_schema_extra={"description": "Extension fields are prefixed `x_`."})
 
     model: str = Field(description="The served model's name (also when the request said jev-latest).")
     answers: dict[str, Answer]
     usage: Usage
-    x_cached_input_tokens: int = Field(0, ge=0, description="Extension: of usage.input_tokens, the state-prefix tokens "
-                                                            "reused from an earlier request with the same state.")
+    x_cached_input_tokens: int = Field(
+        0,
+        ge=0,
+        description="Extension: of usage.input_tokens, the state-prefix tokens "
+        "reused from an earlier request with the same state.",
+    )
 
 
 class ModelInfo(BaseModel):
@@ -162,8 +184,10 @@ class ModelList(BaseModel):
 
 
 class ErrorDetail(BaseModel):
-    error_type: str = Field(description="api_usage_error, authentication_error, request_too_large, "
-                                        "rate_limit_error, overloaded_error, timeout_error, not_found_error, internal_error")
+    error_type: str = Field(
+        description="api_usage_error, authentication_error, request_too_large, "
+        "rate_limit_error, overloaded_error, timeout_error, not_found_error, internal_error"
+    )
     message: str
 
 
@@ -172,7 +196,7 @@ class ErrorResponse(BaseModel):
 
 
 class ValidationErrorItem(BaseModel):
-    loc: list[str | int] = Field(description="[\"body\", ...path to the invalid value]")
+    loc: list[str | int] = Field(description='["body", ...path to the invalid value]')
     msg: str
     type: str
     input: Any = None
@@ -181,36 +205,3 @@ class ValidationErrorItem(BaseModel):
 
 class HTTPValidationError(BaseModel):
     detail: list[ValidationErrorItem]
-
-
-# ---------------------------------------------------------------- wire -> engine
-
-def render_text(value: Any) -> str:
-    """Structured instructions/levels as deterministic text (sorted-key compact JSON); strings unchanged."""
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        return value
-    return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(", ", ": "))
-
-
-def to_engine_question(q: NoulQuestion | ChoiceQuestion | ScoreQuestion) -> dict:
-    """A validated wire question in the engine's shape: instructions and score levels as text, option
-    descriptions as sent (the engine renders structured ones), noul criteria keyed yes/no."""
-    out: dict[str, Any] = {"type": q.type, "instructions": render_text(q.instructions)}
-    if isinstance(q, ChoiceQuestion):
-        out["criteria"] = dict(q.criteria)
-    elif isinstance(q, ScoreQuestion):
-        out["criteria"] = [render_text(level) for level in q.criteria]
-    else:
-        c = q.criteria
-        crit = None
-        if c is not None:
-            crit = {}
-            if c.true is not None:
-                crit["yes"] = c.true
-            if c.false is not None:
-                crit["no"] = c.false
-            crit = crit or None
-        out["criteria"] = crit
-    return out

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lev_jax.models.base import CausalLM
+from lev_jax.models.context import Context
 from lev_jax.models.layers import MLP, Attention, RMSNorm, kv_cache
 
 FAMILY = {  # model_type -> (qkv_bias, qk_norm)
@@ -87,10 +88,8 @@ class LlamaLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, ctx, layer_cache):
-        h, new_cache = self.self_attn(self.input_layernorm(x), ctx["cos"], ctx["sin"], ctx["valid"], layer_cache,
-                                      ctx["cache_valid"], ctx["offset"], ctx["update_cache"],
-                                      ctx["anchored_softmax"], ctx["seg_valid"])
+    def __call__(self, x, ctx: Context, layer_cache):
+        h, new_cache = self.self_attn(self.input_layernorm(x), ctx, layer_cache)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), new_cache
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lev_jax.models.base import CausalLM
+from lev_jax.models.context import Context
 from lev_jax.models.layers import MLP, Attention, RMSNorm, dense, kv_cache
 
 CHUNK = 64
@@ -257,14 +258,12 @@ class Qwen3_5Layer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True, dtype=dtype)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, ctx, layer_cache):
+    def __call__(self, x, ctx: Context, layer_cache):
         h = self.input_layernorm(x)
         if self.kind == "linear_attention":
-            h, new_cache = self.linear_attn(h, ctx["valid"], layer_cache)
+            h, new_cache = self.linear_attn(h, ctx.valid, layer_cache)
         else:
-            h, new_cache = self.self_attn(h, ctx["cos"], ctx["sin"], ctx["valid"], layer_cache,
-                                          ctx["cache_valid"], ctx["offset"], ctx["update_cache"],
-                                      ctx["anchored_softmax"], ctx["seg_valid"])
+            h, new_cache = self.self_attn(h, ctx, layer_cache)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), new_cache
 

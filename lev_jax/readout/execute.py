@@ -1,0 +1,269 @@
+"""Execution (serving only): rows of planned requests -> label logits, in as few bucketed device
+calls as fit.
+
+Each request's state prefix is computed once (or taken from a cross-request LRU); when it pays, the
+question headers its rows share become a per-question cache segment; rows are grouped shortest
+first into calls padded to shape buckets; several requests' prefixes are stacked so their rows
+share calls; a call the anchored softmax cannot serve is rerun with the exact one.
+
+A reader is `reader(entries, usages) -> per entry, one logits array per row` with entries
+`[(prefix_ids, rows)]`: `Executor.read` is the fast one, `Executor.read_reference` runs one
+independent full forward per row (verification).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lev_jax import buckets
+from lev_jax.models import cache as cache_lib
+from lev_jax.readout import logits as logits_lib
+from lev_jax.readout.plan import Row
+
+# Question headers shared by a readout's rows become a cache segment when that saves at least this
+# many row tokens (and a tenth of them): below it the extra device call costs more than it saves.
+MIN_SEGMENT_SAVING = 64
+
+
+@dataclasses.dataclass
+class Usage:
+    processed: int = 0  # tokens that went through the model (state prefix once, every row)
+    cached: int = 0  # state-prefix tokens served from the cross-request cache
+    prefix_seen: bool = False
+
+    def as_dict(self) -> dict:
+        return {"input_tokens": self.processed, "cached_input_tokens": self.cached}
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    rows: list[int]  # indices of the rows it reads
+    batch: int  # rows bucket
+    length: int  # suffix-length bucket
+    codes: int  # label-codes bucket
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentPlan:
+    headers: list[list[int]]  # distinct question headers
+    header_of_row: list[int]
+    rest: list[Row]  # the rows without their headers
+
+
+class Executor:
+    """Runs rows of a backbone in bucketed calls; owns the cross-request prefix cache."""
+
+    def __init__(self, backbone, *, prefix_cache_bytes: int = 256 << 20):
+        self.backbone = backbone
+        self.platform = jax.default_backend()  # sizes device calls (buckets.row_tokens_per_call)
+        # computed state prefixes kept across requests (LRU, bounded by bytes): a client asking a
+        # second batch of questions about the same state pays only for the questions
+        self.prefix_cache_bytes = prefix_cache_bytes
+        self.prefixes: collections.OrderedDict[tuple, tuple[object, int]] = collections.OrderedDict()
+        self.lock = threading.Lock()
+        self.exact_reruns = 0  # device calls (rows or headers) the anchored softmax could not serve
+
+    # -- planning device calls ---------------------------------------------------------------------
+    def calls(self, rows: list[Row]) -> list[Call]:
+        """Group rows (shortest first) into device calls. As few calls as keep rows x suffix bucket
+        within the device's per-call budget (`buckets.row_tokens_per_call`), then rows spread evenly
+        over them (20 rows run as 2 x 10, not 16 + 4: a small call costs more per token)."""
+        cap = buckets.row_tokens_per_call(self.platform)
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i].tokens))
+
+        def suffix(g):
+            return buckets.fit(max(len(rows[i].tokens) for i in g), buckets.SUFFIX, "question length")
+
+        def fits(g):
+            return len(g) == 1 or (len(g) <= buckets.ROWS[-1]
+                                   and buckets.fit(len(g), buckets.ROWS, "rows") * suffix(g) <= cap)
+
+        groups, current = [], []
+        for i in order:
+            if current and not fits(current + [i]):
+                groups.append(current)
+                current = []
+            current.append(i)
+        groups.append(current)
+        if len(groups) > 1:
+            size = math.ceil(len(order) / len(groups))
+            even = [order[j : j + size] for j in range(0, len(order), size)]
+            if len(even) == len(groups) and all(map(fits, even)):
+                groups = even
+        return [Call(g, buckets.fit(len(g), buckets.ROWS, "rows"), suffix(g),
+                     buckets.fit(max(len(rows[i].label_ids) for i in g), buckets.CODES, "label codes"))
+                for g in groups]
+
+    @staticmethod
+    def segment_plan(rows: list[Row]) -> SegmentPlan | None:
+        """The question headers as cache segments both option orders continue, when computing each
+        distinct header once saves enough row tokens to pay for its extra device call; else None."""
+        headers, index, header_of_row, rest = [], {}, [], []
+        for r in rows:
+            key = tuple(r.tokens[: r.header])
+            if key not in index:
+                index[key] = len(headers)
+                headers.append(list(key))
+            header_of_row.append(index[key])
+            rest.append(Row(r.tokens[r.header :], r.label_ids))
+        total = sum(len(r.tokens) for r in rows)
+        saved = total - sum(map(len, headers)) - sum(len(r.tokens) for r in rest)
+        if saved < max(MIN_SEGMENT_SAVING, total // 10):
+            return None
+        return SegmentPlan(headers, header_of_row, rest)
+
+    def segment_calls(self, headers: list[list[int]]) -> tuple[int, list[tuple[list[int], int]]]:
+        """(segment length bucket, calls of (header indices, rows bucket)): every header padded to one
+        length, so all segments stack into one cache; calls sized like row calls."""
+        sg = buckets.fit(max(1, max(map(len, headers))), buckets.SUFFIX, "question header length")
+        cap = buckets.row_tokens_per_call(self.platform)
+        n_calls = 1
+        while True:
+            size = math.ceil(len(headers) / n_calls)
+            if size == 1 or buckets.fit(size, buckets.ROWS, "rows") * sg <= cap:
+                break
+            n_calls += 1
+        calls = [list(range(j, min(j + size, len(headers)))) for j in range(0, len(headers), size)]
+        return sg, [(c, buckets.fit(len(c), buckets.ROWS, "rows")) for c in calls]
+
+    def programs(self, prefix_ids: list[int], rows: list[Row]) -> set[tuple]:
+        """The device programs (shape-bucket keys) reading `rows` after `prefix_ids` needs; a request
+        whose keys were all seen before compiles nothing."""
+        p = len(prefix_ids)
+        pb = buckets.fit(p, buckets.PREFIX[1:], "prefix length") if p else 0
+        keys = {("prefill", pb)} if pb else set()
+        seg = self.segment_plan(rows) if pb else None
+        if seg is None:
+            return keys | {("rows", pb, c.batch, c.length, c.codes) for c in self.calls(rows)}
+        sg, calls = self.segment_calls(seg.headers)
+        return (keys | {("segment", pb, b, sg) for _, b in calls}
+                | {("rows", pb, sg, c.batch, c.length, c.codes) for c in self.calls(seg.rest)})
+
+    # -- readers -----------------------------------------------------------------------------------
+    def prefix_cache(self, prefix_ids):
+        """(cache, hit): the prefix's cache, from the LRU when this exact prefix was seen before."""
+        p = len(prefix_ids)
+        if p == 0:
+            return None, False
+        key = tuple(prefix_ids)
+        with self.lock:
+            if key in self.prefixes:
+                self.prefixes.move_to_end(key)
+                return self.prefixes[key][0], True
+        pb = buckets.fit(p, buckets.PREFIX[1:], "prefix length")
+        tokens, valid = logits_lib.pack_prefixes([prefix_ids], 1, pb)
+        cache = self.backbone.prefill(tokens, valid, chunk=buckets.PREFILL_CHUNK)
+        size = sum(x.nbytes for x in jax.tree.leaves(cache))
+        if size <= self.prefix_cache_bytes:
+            with self.lock:
+                self.prefixes[key] = (cache, size)
+                while sum(n for _, n in self.prefixes.values()) > self.prefix_cache_bytes:
+                    self.prefixes.popitem(last=False)
+        return cache, False
+
+    def read(self, entries, usages) -> list[list[np.ndarray]]:
+        """Label logits for every row of every (prefix_ids, rows) entry: each prefix computed once
+        (or taken from the cross-request cache), then all rows of all entries in as few batched
+        calls as fit; several entries' prefixes are stacked and each row reads its own."""
+        caches = []
+        for (prefix_ids, rows), usage in zip(entries, usages):
+            cache, hit = self.prefix_cache(prefix_ids)
+            if not usage.prefix_seen:
+                usage.prefix_seen = True
+                usage.processed += len(prefix_ids)
+                usage.cached += len(prefix_ids) if hit else 0
+            usage.processed += sum(len(r.tokens) for r in rows)
+            caches.append(cache)
+        if len(entries) == 1 or any(c is None for c in caches):
+            return [self.read_rows(c, rows, None) for c, (_, rows) in zip(caches, entries)]
+        out = []
+        per_call = buckets.ROWS[-1]
+        for start in range(0, len(entries), per_call):
+            part = entries[start : start + per_call]
+            stacked = stack_caches(caches[start : start + per_call], buckets.fit(len(part), buckets.ROWS, "requests"))
+            flat = [(k, r) for k, (_, rows) in enumerate(part) for r in rows]
+            it = iter(self.read_rows(stacked, [r for _, r in flat], [k for k, _ in flat]))
+            out.extend([next(it) for _ in rows] for _, rows in part)
+        return out
+
+    def read_reference(self, entries, usages) -> list[list[np.ndarray]]:
+        """One independent full forward per row: no shared prefix, no bucketing (verification)."""
+        out = []
+        for (prefix_ids, rows), usage in zip(entries, usages):
+            usage.processed += sum(len(prefix_ids) + len(r.tokens) for r in rows)
+            per = []
+            for r in rows:
+                logits = np.asarray(self.backbone.logits([list(prefix_ids) + r.tokens]))[0, -1]
+                per.append(logits[r.label_ids])
+            out.append(per)
+        return out
+
+    def read_rows(self, cache, rows: list[Row], prefix_of_row) -> list[np.ndarray]:
+        """Label logits of `rows` continuing `cache` (one shared prefix, or a stacked cache with
+        `prefix_of_row`), through question-header segments where they pay."""
+        seg = self.segment_plan(rows) if prefix_of_row is None and cache is not None else None
+        if seg is None:
+            return self.read_calls(cache, rows, prefix_of_row=prefix_of_row)
+        seg_cache, where = self.compute_segments(cache, seg.headers)
+        return self.read_calls(seg_cache, seg.rest, segment_of_row=[where[h] for h in seg.header_of_row])
+
+    def compute_segments(self, cache, headers: list[list[int]]):
+        """(segment cache of every header after the shared prefix, header index -> its cache row)."""
+        bb = self.backbone
+        sg, calls = self.segment_calls(headers)
+        parts, where, first_row = [], {}, 0
+        for idx, bsz in calls:
+            tokens, valid = logits_lib.pack_prefixes([headers[h] for h in idx], bsz, sg)
+            for j, h in enumerate(idx):
+                where[h] = first_row + j
+            first_row += bsz
+            args = (bb.params, cache, jnp.asarray(tokens), jnp.asarray(valid), bb.config)
+            part, finite = logits_lib.compute_segments(*args)
+            if not bool(finite):  # the anchored softmax could not serve a header (layers.attend)
+                self.exact_reruns += 1
+                part, _ = logits_lib.compute_segments(*args, anchored=False)
+            parts.append(part)
+        return cache_lib.concat_segments(parts), where
+
+    def read_calls(self, cache, rows: list[Row], *, prefix_of_row=None, segment_of_row=None) -> list[np.ndarray]:
+        """Label logits of `rows` in bucketed batched calls. Each row continues `cache` (a shared
+        prefix), its request's prefix in a stacked cache (`prefix_of_row`), or its header's segment
+        (`segment_of_row`)."""
+        out: list[np.ndarray | None] = [None] * len(rows)
+        bb = self.backbone
+        per_row = prefix_of_row if segment_of_row is None else segment_of_row
+        fn = logits_lib.read_rows if segment_of_row is None else logits_lib.read_segment_rows
+        for call in self.calls(rows):
+            batch = logits_lib.pack_rows([rows[i] for i in call.rows], call.batch, call.length, call.codes)
+            which = None
+            if per_row is not None:
+                which = np.zeros((call.batch,), np.int32)
+                which[: len(call.rows)] = [per_row[i] for i in call.rows]
+            args = (bb.params, cache, None if which is None else jnp.asarray(which), jnp.asarray(batch.tokens_BT),
+                    jnp.asarray(batch.valid_BT), jnp.asarray(batch.answer_B), jnp.asarray(batch.label_ids_BC),
+                    bb.config)
+            logits = np.asarray(fn(*args))
+            if not np.isfinite(logits[: len(call.rows)]).all():
+                # the anchored softmax met a cached score far above a row's own ones (layers.attend):
+                # the exact stabiliser, for this call only
+                self.exact_reruns += 1
+                logits = np.asarray(fn(*args, anchored=False))
+            for j, i in enumerate(call.rows):
+                out[i] = logits[j, : len(rows[i].label_ids)]
+        return out
+
+
+def stack_caches(caches: list[dict], n: int) -> dict:
+    """Several 1-row prefix caches as one n-row cache (rows past len(caches) repeat the first),
+    every one grown to the same number of slots."""
+    slots = max(c["valid"].shape[1] for c in caches)
+    grown = [cache_lib.grow(c, slots) for c in caches]
+    grown += [grown[0]] * (n - len(grown))
+    return jax.tree.map(lambda *xs: jnp.max(jnp.stack(xs)) if xs[0].ndim == 0 else jnp.concatenate(xs, axis=0), *grown)

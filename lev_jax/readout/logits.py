@@ -1,0 +1,105 @@
+"""Label logits: pure functions from parameters and token rows to the logits of each row's label
+tokens. Only the answer position goes through the vocabulary head, and only its label rows.
+
+`rows_label_logits` continues an already computed prefix cache (serving: the state once, every
+question row after it); `prefixed_label_logits` computes the prefixes too, differentiably (training:
+several rows of one example continue one computed prefix, with gradients flowing through it).
+The jitted variants below are the programs predict() runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lev_jax import models
+from lev_jax.models import cache as cache_lib
+
+
+@dataclasses.dataclass
+class RowBatch:
+    """Rows padded to one shape: what one device call reads."""
+
+    tokens_BT: np.ndarray  # int32
+    valid_BT: np.ndarray  # bool
+    answer_B: np.ndarray  # int32: the position whose next token is the answer
+    label_ids_BC: np.ndarray  # int32: padded code slots hold id 0 (mask them)
+
+
+def pack_rows(rows: Sequence, n_rows: int, length: int, n_codes: int) -> RowBatch:
+    """`rows` (readout.Row) padded to [n_rows, length] tokens and [n_rows, n_codes] label ids."""
+    tokens = np.zeros((n_rows, length), np.int32)
+    valid = np.zeros((n_rows, length), bool)
+    answer = np.zeros((n_rows,), np.int32)
+    ids = np.zeros((n_rows, n_codes), np.int32)
+    for j, r in enumerate(rows):
+        tokens[j, : len(r.tokens)], valid[j, : len(r.tokens)] = r.tokens, True
+        answer[j] = len(r.tokens) - 1
+        ids[j, : len(r.label_ids)] = r.label_ids
+    return RowBatch(tokens, valid, answer, ids)
+
+
+def pack_prefixes(prefixes: Sequence[Sequence[int]], n: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Prefix token lists right-padded to [n, length] (tokens, valid)."""
+    tokens = np.zeros((n, length), np.int32)
+    valid = np.zeros((n, length), bool)
+    for j, p in enumerate(prefixes):
+        tokens[j, : len(p)], valid[j, : len(p)] = p, True
+    return tokens, valid
+
+
+def rows_label_logits(params, cache, prefix_B, tokens_BT, valid_BT, answer_B, label_ids_BC, cfg, *,
+                      anchored: bool = False, remat: str = "none"):
+    """[B, C] fp32 label logits of B rows continuing `cache`: one shared prefix (`prefix_B` None) or
+    a cache stacking several prefixes, row b reading prefix `prefix_B[b]`. `anchored`: the anchored
+    attention softmax (layers.attend); a row it cannot serve comes out NaN."""
+    if prefix_B is not None:
+        cache = jax.tree.map(lambda x: x if x.ndim == 0 else jnp.take(x, prefix_B, axis=0), cache)
+    hidden_BRE, _ = models.forward(params, tokens_BT, cache, cfg, valid_BT=valid_BT, readout_BR=answer_B[:, None],
+                                   cache_write=models.CacheWrite.NONE, anchored_softmax=anchored, remat=remat)
+    return models.label_logits(params, hidden_BRE[:, 0], label_ids_BC, cfg)
+
+
+def prefixed_label_logits(params, prefix_EP, prefix_valid_EP, prefix_B, tokens_BT, valid_BT, answer_B, label_ids_BC,
+                          cfg, *, remat: str = "none"):
+    """[B, C] fp32 label logits of B rows after E prefixes computed here (row b continues prefix
+    `prefix_B[b]`); differentiable end to end, so gradients reach the parameters through the shared
+    prefix exactly as through independent full rows."""
+    readout = jnp.zeros((prefix_EP.shape[0], 1), jnp.int32)  # the prefixes' hidden states are not needed
+    _, cache = models.forward(params, prefix_EP, None, cfg, valid_BT=prefix_valid_EP, readout_BR=readout, remat=remat)
+    return rows_label_logits(params, cache, prefix_B, tokens_BT, valid_BT, answer_B, label_ids_BC, cfg, remat=remat)
+
+
+# -- the programs predict() runs -------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("cfg", "anchored"))
+def read_rows(params, cache, prefix_B, tokens_BT, valid_BT, answer_B, label_ids_BC, cfg, anchored=True):
+    return rows_label_logits(params, cache, prefix_B, tokens_BT, valid_BT, answer_B, label_ids_BC, cfg,
+                             anchored=anchored)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "anchored"))
+def read_segment_rows(params, cache, segment_B, tokens_BT, valid_BT, answer_B, label_ids_BC, cfg, anchored=True):
+    """`read_rows` for rows that continue a segment cache: row b reads segment `segment_B[b]`."""
+    return rows_label_logits(params, cache_lib.select_rows(cache, segment_B), None, tokens_BT, valid_BT, answer_B,
+                             label_ids_BC, cfg, anchored=anchored)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "anchored"))
+def compute_segments(params, cache, tokens_BT, valid_BT, cfg, anchored=True):
+    """(segment cache, finite): B question headers continuing a shared prefix, kept per row; `finite`
+    is False where the anchored softmax could not serve them (then: rerun exact)."""
+    readout = jnp.zeros((tokens_BT.shape[0], 1), jnp.int32)  # the hidden state is not needed; keep it small
+    _, seg = models.forward(params, tokens_BT, cache, cfg, valid_BT=valid_BT, readout_BR=readout,
+                            cache_write=models.CacheWrite.SEGMENT, anchored_softmax=anchored)
+    rows = [x for layer in seg["layers"] for k, x in layer.items() if k in cache_lib.SEGMENT_ROW_KEYS]
+    return seg, jnp.all(jnp.stack([jnp.isfinite(x).all() for x in rows]))
+
+
+def compiled_programs() -> int:
+    """Row and segment programs compiled so far in this process."""
+    return read_rows._cache_size() + read_segment_rows._cache_size() + compute_segments._cache_size()

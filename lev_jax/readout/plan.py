@@ -1,0 +1,246 @@
+"""Planning: (state, questions) -> token rows, label ids and presentation-order maps. No JAX.
+
+A question becomes one or more `Readout`s (a distribution over its candidates), each read from one
+`Row` per presentation order (option averaging reads a choice in both orders). A choice with more
+options than the tokenizer has single-token label codes is split into groups (round 1); the group
+winners are read again as one choice (round 2, `Planner.winners_readout`). predict() and training
+both plan through here, so a fine-tuned checkpoint is trained on exactly the rows it is served.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import numpy as np
+
+from lev_jax import buckets, domain, labels, prompt
+from lev_jax.errors import RequestError, TokenLimitError
+
+
+@dataclasses.dataclass
+class Row:
+    tokens: list[int]  # the row's suffix after the shared prefix; the answer is read after its last token
+    label_ids: list[int]  # vocabulary ids to read, one per code position
+    header: int = 0  # leading tokens the row shares with the other rows of its readout (a cache segment)
+
+
+@dataclasses.dataclass
+class Readout:
+    """One distribution over `n` candidates, read from one row per presentation order."""
+
+    qtype: str
+    mode: str  # domain.LETTER / BINARY / RATING
+    n: int
+    rows: list[Row]
+    maps: list[list[int]]  # per row: code position -> candidate index
+
+
+@dataclasses.dataclass
+class QuestionPlan:
+    qid: str
+    question: dict  # normalised: {"type", "instructions", "criteria"} (noul criteria keyed "true"/"false")
+    readouts: list[Readout]  # round 1
+    groups: list[list[int]] | None = None  # candidates of each round-1 readout (a large choice), else None
+
+    @property
+    def rows(self) -> list[Row]:
+        return [r for ro in self.readouts for r in ro.rows]
+
+
+@dataclasses.dataclass
+class RequestPlan:
+    """A request turned into token rows: the shared prefix and each question's readouts. Planning
+    tokenizes everything and checks the limits; a server plans once (to count tokens and reject
+    over-budget requests before queueing) and hands the plan to the engine."""
+
+    state_text: str
+    prefix_ids: list[int]
+    questions: list[QuestionPlan]
+
+    @property
+    def rows(self) -> list[Row]:
+        return [r for q in self.questions for r in q.rows]
+
+    def token_counts(self) -> dict:
+        lens = [len(r.tokens) for r in self.rows]
+        return {"input_tokens": len(self.prefix_ids) + sum(lens), "state_tokens": len(self.prefix_ids),
+                "max_question_tokens": max(lens)}
+
+
+def share_header(rows: list[Row]) -> list[Row]:
+    """Mark the token prefix a readout's rows have in common (a question's text before its options):
+    it can be computed once for all of them (a cache segment) instead of once per row."""
+    if len(rows) > 1:
+        n = len(os.path.commonprefix([r.tokens for r in rows]))
+        n = min(n, min(len(r.tokens) for r in rows) - 1)  # every row keeps its answer position
+        for r in rows:
+            r.header = n
+    return rows
+
+
+def _noul_criteria(qid: str, criteria) -> dict | None:
+    """Noul criteria in the wire's shape {"true": ..., "false": ...}; "yes"/"no" are aliases."""
+    if criteria is None:
+        return None
+    if not isinstance(criteria, dict):
+        raise RequestError(f"question {qid!r}: noul criteria must be null or an object with 'true' and/or 'false'")
+    out = {}
+    for key, value in criteria.items():
+        name = domain.NOUL_CRITERIA_ALIASES.get(key, key)
+        if name not in domain.NOUL_CRITERIA or name in out:
+            raise RequestError(f"question {qid!r}: noul criteria must be null or an object with 'true' and/or "
+                               f"'false' (aliases 'yes'/'no'), got keys {sorted(criteria)}")
+        if value is not None:
+            text = _text(qid, f"noul criterion {key!r}", value)
+            if value:  # a side sent as null or empty says nothing
+                out[name] = text
+    return out or None
+
+
+def _text(qid: str, what: str, value) -> str:
+    """Structured text as the wire allows it (a string, an object or an array) rendered once."""
+    if not isinstance(value, (str, dict, list)):
+        raise RequestError(f"question {qid!r}: {what} must be a string, an object or an array")
+    return prompt.render_value(value)
+
+
+def normalize_question(qid, q) -> dict:
+    """A validated question in the one shape predict() and the Jev wire share (instructions, score
+    levels and noul criteria may be structured JSON: rendered to text here; option descriptions are
+    rendered by the prompt). Noul criteria come keyed "true"/"false" ("yes"/"no" accepted)."""
+    if not isinstance(qid, str) or not qid:
+        raise RequestError("question ids must be non-empty strings")
+    if not isinstance(q, dict):
+        raise RequestError(f"question {qid!r} must be an object")
+    qtype = q.get("type")
+    if qtype == "box":
+        raise RequestError(f"question {qid!r}: this model cannot locate boxes (type 'box' needs a vision model)")
+    if qtype not in domain.QUESTION_TYPES:
+        raise RequestError(f"question {qid!r}: unknown type {qtype!r}; expected one of {domain.QUESTION_TYPES}")
+    instructions = q.get("instructions")
+    instructions = "" if instructions is None else _text(qid, "instructions", instructions)
+    criteria = q.get("criteria")
+    if qtype == domain.CHOICE:
+        lo, hi = domain.CHOICE_OPTIONS
+        if not isinstance(criteria, dict) or not lo <= len(criteria) <= hi:
+            raise RequestError(f"question {qid!r}: choice criteria must map {lo}-{hi} option names to descriptions")
+        if any(not isinstance(k, str) or not k for k in criteria):
+            raise RequestError(f"question {qid!r}: option names must be non-empty strings")
+        if any(d is not None and not isinstance(d, (str, dict, list)) for d in criteria.values()):
+            raise RequestError(f"question {qid!r}: option descriptions must be null, a string, an object or an array")
+    elif qtype == domain.SCORE:
+        lo, hi = domain.SCORE_LEVELS
+        if not isinstance(criteria, list) or not lo <= len(criteria) <= hi:
+            raise RequestError(f"question {qid!r}: score criteria must be a list of {lo}-{hi} levels")
+        criteria = [_text(qid, "a score level", level) for level in criteria]
+    else:
+        criteria = _noul_criteria(qid, criteria)
+    return {"type": qtype, "instructions": instructions, "criteria": criteria}
+
+
+class Planner:
+    """Prompt layout + label codes of one tokenizer: the rows a (state, question) is read from."""
+
+    def __init__(self, tokenizer, *, prompt_style: str = "chat", layout: str = "state_first",
+                 noul_readout: str = domain.BINARY, option_averaging: bool = True):
+        if noul_readout not in domain.NOUL_READOUTS:
+            raise ValueError(f"noul_readout must be one of {domain.NOUL_READOUTS}")
+        if layout not in prompt.LAYOUTS:
+            raise ValueError(f"layout must be one of {prompt.LAYOUTS}")
+        self.tokenizer = tokenizer
+        self.format = prompt.PromptFormat(tokenizer, prompt_style)
+        self.prompt_style, self.layout = prompt_style, layout
+        self.noul_readout, self.option_averaging = noul_readout, option_averaging
+        self.codes = labels.LabelCodes(tokenizer, self.format.answer_context, self.format.sep)
+        self.group_size = min(self.codes.capacity(), buckets.CODES[-1])
+        if self.group_size < 2:
+            raise ValueError("the tokenizer offers fewer than two single-token label codes")
+        self.yes_no_lead, self.yes_no = self.codes.fixed(domain.YES_NO)
+        self.rating_lead, self.rating = self.codes.fixed(domain.RATING_CODES)
+
+    # -- text and tokens ---------------------------------------------------------------------------
+    @staticmethod
+    def state_text(state) -> str:
+        if not isinstance(state, (str, dict, list)):
+            raise RequestError("state must be a string, an object or an array")
+        return prompt.render_state(state)
+
+    def prefix_ids(self, state_text: str) -> list[int]:
+        return self.format.encode_prefix(self.format.build(state_text, "", self.layout).prefix)
+
+    def _row(self, state_text: str, question_text: str, label_ids, lead: str = "") -> Row:
+        p = self.format.build(state_text, question_text, self.layout)
+        return Row(self.tokenizer.encode(p.suffix + lead), list(label_ids))
+
+    # -- readouts ----------------------------------------------------------------------------------
+    def choice_readout(self, state_text: str, q: dict, idx: list[int]) -> Readout:
+        """A readout over the options `idx` of choice `q` (in both orders with option averaging)."""
+        options = list(q["criteria"].items())
+        codes = self.codes.letters(len(idx))
+        orders = [idx] + ([idx[::-1]] if self.option_averaging and len(idx) > 1 else [])
+        pos = {opt: j for j, opt in enumerate(idx)}
+        rows, maps = [], []
+        for order in orders:
+            text = prompt.choice_text(q["instructions"], [options[i] for i in order], [c for c, _ in codes])
+            rows.append(self._row(state_text, text, [t for _, t in codes]))
+            maps.append([pos[i] for i in order])
+        return Readout(domain.CHOICE, domain.LETTER, len(idx), share_header(rows), maps)
+
+    def question(self, state_text: str, qid: str, q: dict) -> QuestionPlan:
+        """The round-1 readouts of a question (validated and normalised here)."""
+        q = normalize_question(qid, q)
+        qtype, criteria = q["type"], q["criteria"]
+        if qtype == domain.CHOICE:
+            k = len(criteria)
+            if k <= self.group_size:
+                return QuestionPlan(qid, q, [self.choice_readout(state_text, q, list(range(k)))])
+            n_groups = math.ceil(k / self.group_size)
+            if n_groups > self.group_size:
+                raise RequestError(f"{k} options exceed what this tokenizer's {self.group_size} label codes can read")
+            groups = [list(map(int, g)) for g in np.array_split(np.arange(k), n_groups)]
+            return QuestionPlan(qid, q, [self.choice_readout(state_text, q, g) for g in groups], groups)
+        if qtype == domain.SCORE:
+            codes = self.codes.letters(len(criteria))
+            text = prompt.score_text(q["instructions"], criteria, [c for c, _ in codes])
+            row = self._row(state_text, text, [t for _, t in codes])
+            return QuestionPlan(qid, q, [Readout(domain.SCORE, domain.LETTER, len(criteria), [row],
+                                                 [list(range(len(criteria)))])])
+        if self.noul_readout == domain.RATING:
+            text = prompt.noul_rating_text(q["instructions"], criteria)
+            row = self._row(state_text, text, [t for _, t in self.rating], self.rating_lead)
+            n = domain.RATING_LEVELS
+            return QuestionPlan(qid, q, [Readout(domain.NOUL, domain.RATING, n, [row], [list(range(n))])])
+        orders = [domain.YES_NO] + ([domain.YES_NO[::-1]] if self.option_averaging else [])
+        rows = [self._row(state_text, prompt.noul_binary_text(q["instructions"], criteria, o),
+                          [t for _, t in self.yes_no], self.yes_no_lead) for o in orders]
+        # code position j of a row is domain.YES_NO[j]; the candidates are [yes, no] in every order
+        return QuestionPlan(qid, q, [Readout(domain.NOUL, domain.BINARY, 2, share_header(rows), [[0, 1]] * len(rows))])
+
+    def winners_readout(self, state_text: str, qp: QuestionPlan, winners: list[int]) -> Readout:
+        """Round 2 of a grouped choice: one readout over each group's winning option."""
+        return self.choice_readout(state_text, qp.question, winners)
+
+    def plan(self, state, questions) -> RequestPlan:
+        """Validate, lay out and tokenize a request, checking the token limits (RequestError /
+        TokenLimitError) before any device work."""
+        if not isinstance(questions, dict) or not questions:
+            raise RequestError("questions must be a non-empty object mapping question ids to questions")
+        text = self.state_text(state)
+        plan = RequestPlan(text, self.prefix_ids(text), [self.question(text, qid, q) for qid, q in questions.items()])
+        check_limits(plan)
+        return plan
+
+
+def check_limits(plan: RequestPlan) -> None:
+    rows = plan.rows
+    p = len(plan.prefix_ids)
+    longest = max(len(r.tokens) for r in rows)
+    if p + longest > domain.MAX_STATE_PLUS_QUESTION_TOKENS:
+        raise TokenLimitError(f"state + longest question is {p + longest} tokens; the limit is "
+                              f"{domain.MAX_STATE_PLUS_QUESTION_TOKENS}")
+    total = p + sum(len(r.tokens) for r in rows)
+    if total > domain.MAX_REQUEST_TOKENS:
+        raise TokenLimitError(f"the request is {total} tokens (state once + every question row); the limit is "
+                              f"{domain.MAX_REQUEST_TOKENS}")

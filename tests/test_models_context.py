@@ -42,6 +42,22 @@ def _max_diff(a, b):
     return max(float(jnp.abs(x - y).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
+def _assert_close(got, want):
+    """Equal up to fp32 noise, which grows with the values (hidden states here reach a few units)."""
+    want = np.asarray(want)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5 * max(1.0, float(np.abs(want).max())), rtol=0)
+
+
+def _assert_grads_close(got, want, atol, what):
+    """Every leaf within `atol` + 1e-4 of that leaf's largest gradient: fp32 gradients through the
+    DeltaNet's triangular solve move by ~3e-5 of their scale between two compilations of the very
+    same program (jitted vs op by op), so a fixed bound alone would test XLA's fusion choices; a real
+    error (a layer's gradient lost or doubled) is of the order of the scale itself."""
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        err, scale = float(jnp.abs(g - w).max()), float(jnp.abs(w).max())
+        assert err <= atol + 1e-4 * scale, f"{what}{jax.tree_util.keystr(path)}: {err:.2e} (scale {scale:.2e})"
+
+
 # -- rematerialisation ----------------------------------------------------------------------------
 
 REMAT_PRIMITIVE = jax.make_jaxpr(jax.checkpoint(jnp.sin))(1.0).jaxpr.eqns[0].primitive
@@ -69,7 +85,7 @@ def test_remat_policies_give_the_same_gradients_and_checkpoint_each_layer(tiny):
     grads = {name: jax.jit(jax.grad(loss), static_argnums=1)(params, name) for name in models.REMAT_POLICIES}
     assert float(jnp.abs(grads["none"]["embed_tokens"]["embedding"]).max()) > 1e-4  # a real gradient
     for name, policy in models.REMAT_POLICIES.items():
-        assert _max_diff(grads[name], grads["none"]) <= 1e-6, name
+        _assert_grads_close(grads[name], grads["none"], 1e-6, f"remat={name}")
         # and the policy really is applied: one checkpoint per decoder layer, none without remat
         found = _remat_policies_in(jax.make_jaxpr(loss, static_argnums=1)(params, name).jaxpr)
         assert found == ([] if policy is None else [policy] * cfg.num_hidden_layers), name
@@ -116,7 +132,7 @@ def test_gradient_through_a_prefix_cache_equals_independent_full_sequences(tiny)
 
     (l_c, g_c), (l_i, g_i) = (jax.jit(jax.value_and_grad(f))(params) for f in (loss_cached, loss_independent))
     assert abs(float(l_c) - float(l_i)) <= 1e-5
-    assert _max_diff(g_c, g_i) <= 1e-5
+    _assert_grads_close(g_c, g_i, 1e-5, "prefix cache")
 
 
 # -- CacheWrite modes --------------------------------------------------------------------------------
@@ -141,8 +157,8 @@ def test_cache_write_modes_continue_a_prefix_like_the_full_sequence(tiny):
     nxt = jnp.asarray(rng.integers(0, VOCAB, (2, 1)), jnp.int32)
     hidden2, _ = fwd(params, nxt, appended, cfg, cache_write=CW.NONE)
     for i, n in enumerate([5, 3]):
-        np.testing.assert_allclose(hidden[i, n - 1], full(prefix_1P[0], rows_BT[i, :n]), atol=1e-5, rtol=0)
-        np.testing.assert_allclose(hidden2[i, 0], full(prefix_1P[0], rows_BT[i, :n], nxt[i]), atol=1e-5, rtol=0)
+        _assert_close(hidden[i, n - 1], full(prefix_1P[0], rows_BT[i, :n]))
+        _assert_close(hidden2[i, 0], full(prefix_1P[0], rows_BT[i, :n], nxt[i]))
 
     # SEGMENT: two headers become per-row segments over the shared prefix (which stays as it was);
     # NONE: three rows read their header's segment and write nothing
@@ -157,4 +173,4 @@ def test_cache_write_modes_continue_a_prefix_like_the_full_sequence(tiny):
     assert none is None
     for i, (h, n) in enumerate(zip(picks, lengths)):
         want = full(prefix_1P[0], headers_BT[h, : int(hvalid_BT[h].sum())], tails_BT[i, :n])
-        np.testing.assert_allclose(hidden[i, 0], want, atol=1e-5, rtol=0)
+        _assert_close(hidden[i, 0], want)

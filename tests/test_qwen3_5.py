@@ -12,7 +12,7 @@ import hf_reference as R
 import lev_jax
 from lev_jax import models
 from lev_jax.models import cache as cache_lib
-from lev_jax.models.qwen3_5.modeling import chunk_gated_delta_rule
+from lev_jax.models.qwen3_5.modeling import chunk_gated_delta_rule, solve_unit_lower
 
 TOL = 1e-4
 
@@ -185,3 +185,25 @@ def test_chunked_delta_rule_continues_from_state_and_matches_recurrence():
     o2, s2 = chunk_gated_delta_rule(*f(q[:, 70:], k[:, 70:], v[:, 70:], g[:, 70:], beta[:, 70:]), s1)
     np.testing.assert_allclose(np.concatenate([o1, o2], axis=1), want_out, atol=1e-4)
     np.testing.assert_allclose(np.asarray(s2), want_state, atol=1e-4)
+
+
+def test_unit_lower_solve_is_lapack_plainly_and_exact_under_differentiation():
+    """Inference gets LAPACK's trsm bit for bit; under jax.grad the solve is plain XLA substitution
+    (no LAPACK call that can deadlock the CPU pool) with trsm's values and JAX's own gradients."""
+    rng = np.random.default_rng(4)
+    # shaped like the delta rule's: [B, H, N, C, C] with a unit diagonal the solve must ignore
+    a = jnp.asarray(rng.normal(size=(2, 3, 2, 64, 64)) * 0.1 + 5 * np.eye(64), jnp.float32)
+    b = jnp.asarray(rng.normal(size=(2, 3, 2, 64, 10)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=b.shape), jnp.float32)
+    trsm = lambda a, b: jax.lax.linalg.triangular_solve(a, b, left_side=True, lower=True, unit_diagonal=True)
+    assert bool((jax.jit(solve_unit_lower)(a, b) == jax.jit(trsm)(a, b)).all())
+    lapack_loss = lambda a, b: (trsm(a, b) * w).sum()
+    our_loss = lambda a, b: (solve_unit_lower(a, b) * w).sum()
+    (v_ref, g_ref), (v_our, g_our) = (jax.jit(jax.value_and_grad(f, (0, 1)))(a, b) for f in (lapack_loss, our_loss))
+    assert abs(float(v_our) - float(v_ref)) <= 1e-4 * abs(float(v_ref)) + 1e-5
+    for got, want in zip(g_our, g_ref):
+        np.testing.assert_allclose(got, want, atol=1e-5 * float(jnp.abs(want).max()), rtol=0)
+    assert float(jnp.abs(jnp.triu(g_our[0])).max()) == 0.0  # nothing flows to what the solve never reads
+    # and with no LAPACK call in the differentiated program
+    hlo = jax.jit(jax.grad(our_loss, (0, 1))).lower(a, b).as_text()
+    assert "trsm" not in hlo and "lapack" not in hlo.lower()

@@ -32,7 +32,7 @@ def config_from_hf(d: dict):
     return CONFIGS[model_type].from_hf(d)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def graph(cfg, dtype: str = "float32"):
     """(graphdef, abstract params) for a config, without allocating any weights."""
     model = nnx.eval_shape(lambda: cfg.model(dtype=jnp.dtype(dtype)))

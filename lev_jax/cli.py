@@ -6,8 +6,8 @@
     lev bench export|eval|fit|sweep ...            the benchmark harness (= levbench)
 
 ``lev SUBCOMMAND --help`` shows a subcommand's own options. A subcommand's module is imported only when
-it runs (``lev serve`` never loads the data pipeline), and ``lev train`` says so in one line where the
-training loop is not part of this version.
+it runs (``lev serve`` never loads the data pipeline); a subcommand whose module is not installed
+says so in one line.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from lev_jax import buckets, domain, readout
-from lev_jax.backbone import Backbone, compiled_programs, load_backbone
+from lev_jax import backbone as backbone_lib
+from lev_jax.backbone import Backbone, compiled_programs
 from lev_jax.calibrate import Calibration
 from lev_jax.errors import RequestError
 from lev_jax.readout import logits as logits_lib
@@ -147,18 +148,51 @@ class Engine:
         }
 
 
-def load(model=None, checkpoint=None, prompt_style: str = "chat", dtype: str = "float32", *,
+def load_backbone(path_or_hub_id=None, dtype: str = "float32") -> Backbone:
+    """`lev_jax.backbone.load_backbone`, and a training run directory (`python -m train --out
+    RUN_DIR`): its newest readable checkpoint with the adapter merged."""
+    from lev_jax.training import run
+
+    if path_or_hub_id is not None and run.is_run(path_or_hub_id):
+        return run.load_run(path_or_hub_id, dtype)[0]
+    return backbone_lib.load_backbone(path_or_hub_id, dtype=dtype)
+
+
+def load(model=None, checkpoint=None, prompt_style: str | None = None, dtype: str = "float32", *,
          calibration="auto", noul_readout: str | None = None, **engine_kwargs) -> Engine:
     """An engine over `model` (None = the embedded default, a checkpoint directory, a .gguf file, a
-    hub id, or an already loaded Backbone). `calibration`: "auto" (calibration.json beside the
-    weights, else the profile shipped for the backbone, else none), a path, a Calibration, or None."""
+    hub id, a training run directory, or an already loaded Backbone). `calibration`: "auto"
+    (calibration.json beside the weights or in the run, else the profile shipped for the backbone,
+    else none), a path, a Calibration, or None.
+
+    A run directory serves its newest checkpoint (adapter merged) with the prompt settings it was
+    trained with (prompt style, layout, noul readout, option averaging: the served rows are the
+    trained rows); arguments given here override them."""
     if checkpoint is not None:
-        raise ValueError("fine-tuned checkpoints (LoRA + heads) are not supported yet; pass checkpoint=None")
-    bb = model if isinstance(model, Backbone) else load_backbone(model, dtype=dtype)
-    cal = _resolve_calibration(calibration, model, bb)
-    return Engine(bb, prompt_style=prompt_style, calibration=cal,
-                  noul_readout=noul_readout or domain.BINARY, model_name=bb.name, checkpoint=checkpoint,
-                  **engine_kwargs)
+        raise ValueError("checkpoint= is not supported; pass a training run directory as the model")
+    settings = {"prompt_style": "chat", "noul_readout": domain.BINARY}
+    run_cal = served = None
+    if isinstance(model, Backbone):
+        bb = model
+    else:
+        from lev_jax.training import run
+
+        if model is not None and run.is_run(model):
+            bb, run_cal, meta = run.load_run(model, dtype)
+            settings.update(meta["engine"])
+            served = f"{model}@step {meta['step']}"
+        else:
+            bb = backbone_lib.load_backbone(model, dtype=dtype)
+    if prompt_style is not None:
+        settings["prompt_style"] = prompt_style
+    if noul_readout is not None:
+        settings["noul_readout"] = noul_readout
+    settings.update(engine_kwargs)
+    if calibration == "auto" and run_cal is not None:
+        cal = run_cal
+    else:
+        cal = _resolve_calibration(calibration, model, bb)
+    return Engine(bb, calibration=cal, model_name=bb.name, checkpoint=served, **settings)
 
 
 PROFILES = Path(__file__).parent / "profiles"

@@ -1,5 +1,4 @@
-"""`python -m train`: the fine-tuning entry point (LoRA as parameter trees, CE + Brier + ordinal loss).
-
-Not built yet: the training loop lands with its own issue. The data it will consume is built by
-`python -m data build` (lev_jax.data) today.
+"""`python -m train`: fine-tune a backbone into a decision model (LoRA as parameter trees, CE + Brier +
+ordinal loss on the served readout rows, exact resume, mesh sharding). The loop lives in
+lev_jax.training; this package is its command line (docs/training.md).
 """

@@ -1,5 +1,6 @@
-"""Thin entry point; the training loop lives in lev_jax once its issue lands."""
+"""`python -m train`: see lev_jax/training/cli.py (and docs/training.md)."""
 import sys
 
-sys.exit("python -m train: the training loop is not implemented yet (it lands with the training issue). "
-         "Build its data today with `python -m data build --out DIR`.")
+from lev_jax.training.cli import main
+
+sys.exit(main())

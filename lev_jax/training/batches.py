@@ -1,0 +1,298 @@
+"""Training batches: data-build records -> readout rows (through the serving Planner) -> padded arrays.
+
+A record is one (state, question, target distribution) of a `python -m data build` split. It is laid
+out by `lev_jax.readout.Planner`, the planner predict() uses, so a fine-tuned model is trained on
+exactly the token rows and label codes it is served:
+
+* a choice within the code capacity: its readout's rows (both option orders with option averaging);
+* a large choice (more options than `planner.group_size`): served in two rounds, so trained on both:
+  the round-1 readout of the group holding the gold option, and the round-2 readout of the group
+  winners (`planner.winners_readout`: the gold for its group, a seeded random member of every other
+  group standing in for that group's winner);
+* a score: its one row (ordinal loss on);
+* a noul: the binary rows (target P(yes) = the rating target's expectation) or the 0..8 rating row
+  (ordinal loss on), whichever `noul_readout` predict() serves.
+
+Rows that share a token prefix continue one computed prefix (`group_rows`): with the state first,
+an example's option orders share its state; with the schema first and question-grouped batches
+(`question_keys`), every row of a question shares the whole question. Shapes are padded to a few
+buckets (bounded compiles); the random choices are a pure function of (seed, epoch, record index),
+so a resumed run draws the same.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lev_jax import buckets, domain
+from lev_jax.readout import Planner, Row, pack_prefixes, pack_rows
+
+# Training shape buckets: two sizes per octave (fewer compiles than serving's eight; a training
+# step is long, so the padding it costs is small next to a compile).
+LENGTHS = buckets.geometric(16, domain.MAX_STATE_PLUS_QUESTION_TOKENS, 2)
+ROWS = buckets.geometric(1, 1 << 14, 2)
+CODES = buckets.CODES
+# floors that cost next to nothing and spare compiles: two rows per group (an example's two option
+# orders), nine code slots (a binary noul pads up to the score / rating shapes)
+MIN_ROWS, MIN_CODES = 2, 9
+MODE_INDEX = {m: i for i, m in enumerate(domain.READOUT_MODES)}
+ORDINAL_QTYPES = (domain.SCORE,)
+
+
+@dataclasses.dataclass
+class Example:
+    """One record laid out: its state prefix and every row it trains, with per-row targets."""
+
+    prefix: list[int]
+    rows: list[Row]
+    targets: list[np.ndarray]  # per row: target distribution over its code positions
+    levels: list[list[int]]  # per row: the candidate (level) index of each code position
+    ordinal: list[bool]  # per row: ordinal term on (score, noul rating)
+    modes: list[int]  # per row: index into domain.READOUT_MODES
+    source: str = ""
+
+    @property
+    def tokens(self) -> int:
+        """Real (unpadded) tokens the example puts through the model: the prefix once, every row."""
+        return len(self.prefix) + sum(len(r.tokens) for r in self.rows)
+
+    @property
+    def longest(self) -> int:
+        return len(self.prefix) + max(len(r.tokens) for r in self.rows)
+
+
+def _normalised(p: np.ndarray) -> np.ndarray:
+    s = float(p.sum())
+    return p / s if s > 0 else np.full(len(p), 1.0 / len(p))
+
+
+def _rows_of(ro, target_n: np.ndarray, ordinal: bool, ex: Example) -> None:
+    """Add a readout's rows to `ex`, its candidate-order target mapped to each row's code order."""
+    for row, m in zip(ro.rows, ro.maps):
+        ex.rows.append(row)
+        ex.targets.append(np.asarray(target_n, np.float32)[np.asarray(m)])
+        ex.levels.append(list(m))
+        ex.ordinal.append(ordinal)
+        ex.modes.append(MODE_INDEX[ro.mode])
+
+
+class Renderer:
+    """Records -> Examples through one Planner (the serving planner's settings)."""
+
+    def __init__(self, planner: Planner, *, seed: int = 0, round2: bool = True, max_tokens: int | None = None):
+        self.planner = planner
+        self.seed = seed
+        self.round2 = round2
+        self.max_tokens = max_tokens
+
+    def example(self, record: Mapping[str, Any], rng: np.random.Generator) -> Example | None:
+        """The record's rows, or None when its prefix + longest row exceeds `max_tokens`."""
+        p = self.planner
+        text = p.state_text(record["state"])
+        qp = p.question(text, "q", record["question"])
+        ex = Example(p.prefix_ids(text), [], [], [], [], [], record.get("source", ""))
+        dist = np.asarray(record["target_dist"], np.float64)
+        qtype = qp.question["type"]
+        if qtype == domain.NOUL:
+            ro = qp.readouts[0]
+            if ro.mode == domain.BINARY:
+                p_yes = float(dist @ domain.RATING_WEIGHTS)
+                _rows_of(ro, np.array([p_yes, 1.0 - p_yes]), False, ex)
+            else:
+                _rows_of(ro, dist, True, ex)
+        elif qp.groups is None:
+            _rows_of(qp.readouts[0], dist, qtype in ORDINAL_QTYPES, ex)
+        else:
+            # round 1: the gold's group (abstain rows, uniform over all options: a random group)
+            gold = int(np.argmax(dist)) if dist.max() > dist.min() else None
+            gi = (next(i for i, g in enumerate(qp.groups) if gold in g) if gold is not None
+                  else int(rng.integers(len(qp.groups))))
+            group = qp.groups[gi]
+            _rows_of(qp.readouts[gi], _normalised(dist[group]), False, ex)
+            if self.round2:
+                winners = [gold if (i == gi and gold is not None) else int(g[rng.integers(len(g))])
+                           for i, g in enumerate(qp.groups)]
+                _rows_of(p.winners_readout(text, qp, winners), _normalised(dist[winners]), False, ex)
+        if self.max_tokens is not None and ex.longest > self.max_tokens:
+            return None
+        return ex
+
+    def rng(self, epoch: int, index: int) -> np.random.Generator:
+        """The seeded generator of one record in one epoch (same draws on resume, on any host)."""
+        return np.random.default_rng([self.seed, int(epoch), int(index)])
+
+    def batch(self, grain_batch: Mapping[str, Any]) -> tuple[list[Example], int]:
+        """(examples, skipped) of a grain batch ({"rows", "index", "epoch", ...})."""
+        out, skipped = [], 0
+        for record, index in zip(grain_batch["rows"], grain_batch["index"]):
+            ex = self.example(record, self.rng(grain_batch["epoch"], int(index)))
+            if ex is None:
+                skipped += 1
+            else:
+                out.append(ex)
+        return out, skipped
+
+
+@dataclasses.dataclass
+class Group:
+    """Rows that continue one computed token prefix: (example index, row index, suffix tokens)."""
+
+    prefix: list[int]
+    rows: list[tuple[int, int, list[int]]]
+
+
+def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def group_rows(examples: Sequence[Example], share: float = 0.5) -> list[Group]:
+    """Rows that share a token prefix, grouped so the prefix is computed once per group.
+
+    An example's rows form a group over their common prefix (its state, and the question header
+    its option orders share). Sorted, examples whose rows share most of that prefix are neighbours;
+    one joins the previous group while their common prefix keeps at least `share` of the group's
+    (with the schema first and question-grouped batches, every example of a question joins: the
+    whole question is computed once). Each row keeps >= 1 token of its own."""
+    per_example = []
+    for e, ex in enumerate(examples):
+        seqs = [ex.prefix + r.tokens for r in ex.rows]
+        shared = min(len(_common(seqs)), min(len(q) for q in seqs) - 1)
+        per_example.append((seqs[0][:shared], shared, [(q, e, i) for i, q in enumerate(seqs)]))
+    per_example.sort(key=lambda g: g[0])
+    groups: list[tuple[list[int], int, list]] = []  # (a member's tokens, shared length, members)
+    for first, shared, members in per_example:
+        if groups:
+            g_first, g_shared, g_members = groups[-1]
+            joined = min(g_shared, shared, _lcp(g_first, first))
+            if joined > 0 and joined >= share * g_shared:
+                groups[-1] = (g_first, joined, g_members + members)
+                continue
+        groups.append((first, shared, members))
+    return [Group(first[:shared], [(e, i, q[shared:]) for q, e, i in members]) for first, shared, members in groups]
+
+
+def _common(seqs: Sequence[Sequence[int]]) -> Sequence[int]:
+    out = seqs[0]
+    for q in seqs[1:]:
+        out = out[:_lcp(out, q)]
+    return out
+
+
+def _fit(n: int, sizes: Sequence[int], floor: int = 1, multiple: int = 1) -> int:
+    size = buckets.fit(max(n, floor, 1), sizes, "training batch dimension")
+    return -(-size // multiple) * multiple
+
+
+def pack(examples: Sequence[Example], *, multiple: int = 1, min_length: int = 16,
+         shared: bool = True) -> tuple[dict[str, np.ndarray], int]:
+    """Padded numpy arrays of one step: E groups of rows sharing a computed prefix (`group_rows`),
+    R rows per group, every size bucketed (E also rounded up to `multiple`, the devices the batch is
+    split over; lengths at least `min_length`). Keys: prefix_EP, prefix_valid_EP and, per group row,
+    tokens_ERT, valid_ERT, answer_ER, label_ids_ERC, target_ERC, valid_ERC (real codes), level_ERC,
+    ordinal_ER, mode_ER, weight_ER (0 for padding rows; padding groups have no valid token).
+    Also returns the real tokens the step puts through the model (each prefix once, every suffix).
+    `shared=False` gives every row its own group over its example's state prefix (no sharing: the
+    reference the shared computation must equal)."""
+    if not examples:
+        raise ValueError("a step needs at least one example")
+    groups = group_rows(examples) if shared else [
+        Group(ex.prefix, [(e, i, r.tokens)]) for e, ex in enumerate(examples) for i, r in enumerate(ex.rows)]
+    E = _fit(len(groups), ROWS, multiple, multiple)
+    R = _fit(max(len(g.rows) for g in groups), ROWS, MIN_ROWS)
+    P = _fit(max(len(g.prefix) for g in groups), LENGTHS, min_length)
+    T = _fit(max(len(t) for g in groups for _, _, t in g.rows), LENGTHS, min_length)
+    C = _fit(max(len(r.label_ids) for ex in examples for r in ex.rows), CODES, MIN_CODES)
+    prefix_EP, prefix_valid_EP = pack_prefixes([g.prefix for g in groups], E, P)
+    out = {"prefix_EP": prefix_EP, "prefix_valid_EP": prefix_valid_EP,
+           "tokens_ERT": np.zeros((E, R, T), np.int32), "valid_ERT": np.zeros((E, R, T), bool),
+           "answer_ER": np.zeros((E, R), np.int32), "label_ids_ERC": np.zeros((E, R, C), np.int32),
+           "target_ERC": np.zeros((E, R, C), np.float32), "valid_ERC": np.zeros((E, R, C), bool),
+           "level_ERC": np.zeros((E, R, C), np.float32), "ordinal_ER": np.zeros((E, R), bool),
+           "mode_ER": np.zeros((E, R), np.int32), "weight_ER": np.zeros((E, R), np.float32)}
+    for g_i, g in enumerate(groups):
+        rb = pack_rows([Row(t, examples[e].rows[i].label_ids) for e, i, t in g.rows], R, T, C)
+        out["tokens_ERT"][g_i], out["valid_ERT"][g_i] = rb.tokens_BT, rb.valid_BT
+        out["answer_ER"][g_i], out["label_ids_ERC"][g_i] = rb.answer_B, rb.label_ids_BC
+        for r_i, (e, i, _) in enumerate(g.rows):
+            ex, n = examples[e], len(examples[e].rows[i].label_ids)
+            out["target_ERC"][g_i, r_i, :n] = ex.targets[i]
+            out["valid_ERC"][g_i, r_i, :n] = True
+            out["level_ERC"][g_i, r_i, :n] = ex.levels[i]
+            out["ordinal_ER"][g_i, r_i] = ex.ordinal[i]
+            out["mode_ER"][g_i, r_i] = ex.modes[i]
+            out["weight_ER"][g_i, r_i] = 1.0
+    return out, sum(len(g.prefix) + sum(len(t) for _, _, t in g.rows) for g in groups)
+
+
+def question_keys(data_dir, split: str = "train") -> list[str]:
+    """Per record of a split: its readout and a digest of its question. Batches keyed by these hold
+    one question each, so with the schema first all their rows share the question as one prefix."""
+    import hashlib
+    import json
+
+    from lev_jax.data.build import read_split
+
+    return [r["readout"] + "|" + hashlib.blake2b(json.dumps(r["question"], sort_keys=True).encode(),
+                                                  digest_size=8).hexdigest() for r in read_split(data_dir, split)]
+
+
+class _PlanSource:
+    """Random access over a BatchPlan's batches, epochs laid end to end (grain MapDataset source)."""
+
+    def __init__(self, plan):
+        self.plan = plan
+
+    def __len__(self) -> int:
+        import sys
+
+        return sys.maxsize
+
+    def __getitem__(self, i: int):
+        return self.plan.batch(int(i))
+
+
+def keyed_iterator(data_dir, keys: Sequence[str], *, keep: Sequence[bool] | None = None, batch_size: int,
+                   seed: int, window_batches: int, transform, shard_index: int = 0, shard_count: int = 1):
+    """A checkpointable grain iterator of length-bucketed batches (lev_jax.data.pipeline.BatchPlan)
+    whose records share a key (`question_keys`), read from the train split (the records `keep`
+    marks) and transformed."""
+    import grain
+
+    from lev_jax.data.build import decode_row
+    from lev_jax.data.pipeline import BatchPlan, load_index
+
+    lengths = np.asarray(load_index(data_dir, "train")["length"])
+    positions = np.nonzero(np.asarray(keep, bool) if keep is not None else np.ones(len(keys), bool))[0]
+    plan = BatchPlan([keys[i] for i in positions], lengths[positions].tolist(), batch_size, seed=seed,
+                     window_batches=window_batches, shard_index=shard_index, shard_count=shard_count)
+    path = str(Path(data_dir) / "train.array_record")
+    source = []
+
+    def read(element):
+        if not source:
+            source.append(grain.sources.ArrayRecordDataSource(path))
+        epoch, step, idx = element
+        idx = positions[idx]
+        rows = [decode_row(source[0][int(i)]) for i in idx]
+        return transform({"rows": rows, "index": idx.copy(), "epoch": epoch, "step": step})
+
+    ds = grain.MapDataset.source(_PlanSource(plan)).map(read)
+    return ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)).__iter__()
+
+
+def flat_rows(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """The per-row arrays of a packed batch with groups and rows flattened ([E, R, ...] -> [E*R, ...])
+    under the loss's names (target_BC, valid_BC, level_BC, ordinal_B, mode_B, weight_B)."""
+    names = {"target_ERC": "target_BC", "valid_ERC": "valid_BC", "level_ERC": "level_BC",
+             "ordinal_ER": "ordinal_B", "mode_ER": "mode_B", "weight_ER": "weight_B"}
+    return {new: batch[old].reshape((-1,) + tuple(batch[old].shape[2:])) for old, new in names.items()}
+
+

@@ -1,0 +1,118 @@
+"""Temperatures for a trained run, fitted on the data build's calibration split only.
+
+The fine-tuned model (adapter merged) reads the calibration records through the serving engine (the
+same planner, executor and presentation orders as predict()); each readout that holds the gold answer
+becomes a `lev_jax.calibrate.CalibrationRow`, and `lev_jax.calibrate.fit` fits one temperature per
+bucket. A large (grouped) choice gives two rows: its gold's group (round 1) and, when the gold won
+its group, the winners (round 2) - the two readouts predict() applies a temperature to. The test
+split is never read; `calibrate.fit` itself refuses split names that say test/eval/holdout.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from lev_jax import calibrate, domain
+from lev_jax.data.splits import hash_order
+
+SPLIT = "calibration"
+SPLIT_NAME = "mixture-calibration"  # the name recorded in calibration.json
+
+
+def _canonical(ro, logits_per_row) -> list[np.ndarray]:
+    """Each presentation order's logits put back in candidate order."""
+    out = []
+    for logits, m in zip(logits_per_row, ro.maps):
+        canon = np.empty(len(m))
+        canon[np.asarray(m)] = np.asarray(logits[: len(m)], np.float64)
+        out.append(canon)
+    return out
+
+
+def _gold(record) -> int | bool | None:
+    """The gold answer of a record: option index (choice), level (score), bool (noul); None for
+    abstain rows, which have none."""
+    if record.get("abstain") or record.get("target") is None:
+        return None
+    q = record["question"]
+    if q["type"] == domain.CHOICE:
+        return list(q["criteria"]).index(record["target"])
+    if q["type"] == domain.SCORE:
+        return int(record["target"])
+    return int(record["target"]) == domain.RATING_YES
+
+
+def records(data_dir: Path, limit: int, seed: int = 0, readouts=()) -> list[dict]:
+    """About `limit` labelled calibration-split records: a seeded shuffle (not a head slice), spread
+    evenly over the temperature buckets (question type, readout, option band), each given at least
+    `calibrate.MIN_ROWS` where the split has them, so no bucket is left at T = 1 for want of rows."""
+    from lev_jax.data.build import read_split
+
+    rows = [r for r in read_split(data_dir, SPLIT) if _gold(r) is not None
+            and (not readouts or r["readout"] in readouts)]
+    order = hash_order([r["uid"] for r in rows], seed, "calibration-sample")
+    by_bucket: dict[tuple, list[dict]] = {}
+    for i in order:
+        r = rows[i]
+        band = r["band"] if r["question"]["type"] in domain.BANDED_QTYPES else None
+        by_bucket.setdefault((r["readout"], band), []).append(r)
+    quota = max(calibrate.MIN_ROWS, limit // max(len(by_bucket), 1))
+    return [r for key in sorted(by_bucket, key=str) for r in by_bucket[key][:quota]]
+
+
+def collect(engine, recs: list[dict], *, chunk: int = 8) -> list[calibrate.CalibrationRow]:
+    """Calibration rows of `recs`, read through `engine` with identity temperatures."""
+    from lev_jax.readout import Usage
+
+    cal = calibrate.Calibration.identity()
+    out = []
+    for start in range(0, len(recs), chunk):
+        part = recs[start:start + chunk]
+        plans = [engine.plan(r["state"], {"q": r["question"]}) for r in part]
+        logits = engine.executor.read([(p.prefix_ids, p.rows) for p in plans], [Usage() for _ in plans])
+        second = []
+        for r, plan, per_plan in zip(part, plans, logits):
+            qp, it, gold = plan.questions[0], iter(per_plan), _gold(r)
+            per_readout = [[next(it) for _ in ro.rows] for ro in qp.readouts]
+            if qp.groups is None:
+                ro = qp.readouts[0]
+                out.append(calibrate.CalibrationRow(_canonical(ro, per_readout[0]), gold, ro.qtype, ro.mode,
+                                                    r["source"], ro.n, SPLIT_NAME))
+                continue
+            winners = []
+            for g, ro, lg in zip(qp.groups, qp.readouts, per_readout):
+                p = cal.readout(_canonical(ro, lg), ro.qtype, ro.mode, ro.n)
+                winners.append(g[int(np.argmax(p))])
+                if gold in g:
+                    out.append(calibrate.CalibrationRow(_canonical(ro, lg), g.index(gold), ro.qtype, ro.mode,
+                                                        r["source"], ro.n, SPLIT_NAME))
+            if gold in winners:
+                second.append((r, plan, engine.planner.winners_readout(plan.state_text, qp, winners), winners))
+        if second:
+            logits2 = engine.executor.read([(plan.prefix_ids, ro.rows) for _, plan, ro, _ in second],
+                                           [Usage() for _ in second])
+            for (r, _, ro, winners), lg in zip(second, logits2):
+                out.append(calibrate.CalibrationRow(_canonical(ro, lg), winners.index(_gold(r)), ro.qtype, ro.mode,
+                                                    r["source"], ro.n, SPLIT_NAME))
+    return out
+
+
+def fit_run(cfg, run_dir: Path, backbone, data_dir: Path, *, out: Callable[[str], None] = print):
+    """Fit and save `run_dir/calibration.json` for the merged `backbone`; returns the Calibration
+    (None when the calibration split has no labelled record)."""
+    from lev_jax.engine import Engine
+
+    recs = records(data_dir, cfg.calibration_rows, cfg.seed, cfg.readouts)
+    if not recs:
+        out("calibration: the calibration split has no labelled record; no temperatures fitted")
+        return None
+    engine = Engine(backbone, prompt_style=cfg.prompt_style, layout=cfg.layout, noul_readout=cfg.noul_readout,
+                    option_averaging=cfg.option_averaging, model_name=backbone.name)
+    rows = collect(engine, recs)
+    cal = calibrate.fit(rows, splits=[SPLIT_NAME], model_id=backbone.name)
+    path = cal.save(run_dir)
+    temps = ", ".join(f"{k} T={t:.2f}" for k, t in cal.describe()["temperatures"].items())
+    out(f"calibration: {len(rows)} rows from {len(recs)} calibration-split records -> {path} ({temps})")
+    return cal

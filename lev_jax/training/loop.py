@@ -1,0 +1,352 @@
+"""The training loop: trainer state, the jitted step, progress lines and checkpoints.
+
+The trainer state is a pytree {"trainable", "opt_state", "train": {"step", "rng"}}. `trainable` is the
+LoRA adapter (fp32 master; the frozen base stays in the compute dtype and never enters the optimiser)
+or, for a full fine-tune, an fp32 master copy of every parameter. One step:
+
+    params  = base with the adapter merged (lora.apply, fp32 sum -> compute dtype)   [inside jit]
+    logits  = readout.prefixed_label_logits(params, prefixes, rows, ...)             [E prefixes once]
+    loss    = CE + 0.5 Brier + 0.25 ordinal                                          [loss.py, fp32]
+    update  = AdamW(warmup + cosine) after clipping the global gradient norm to 1.0
+
+jitted once per shape bucket with explicit in/out shardings over the (data, fsdp, tensor) mesh.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from lev_jax import models, readout
+from lev_jax.training import batches, checkpoint, lora
+from lev_jax.training import loss as loss_lib
+from lev_jax.training import mesh as mesh_lib
+from lev_jax.training.config import TrainConfig
+
+
+class TrainingError(RuntimeError):
+    """A run that cannot go on (a checkpoint of another base model, no usable data): one line."""
+
+
+def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    warmup = min(cfg.warmup_steps, max(cfg.steps - 1, 0))
+    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1),
+                                                  end_value=cfg.lr * cfg.min_lr_ratio)
+    opt = optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
+                      optax.adamw(schedule, b1=0.9, b2=0.999, eps=1e-8, weight_decay=cfg.weight_decay))
+    return opt, schedule
+
+
+def fingerprint(cfg: TrainConfig, backbone) -> dict:
+    """What identifies the base model a checkpoint belongs to."""
+    mc = backbone.config
+    return {"model": cfg.model, "name": backbone.name, "model_type": mc.model_type,
+            "layers": int(mc.num_hidden_layers), "hidden": int(mc.hidden_size), "vocab": int(mc.vocab_size),
+            "parameters": lora.n_params(backbone.params)}
+
+
+def same_base(a: dict, b: dict) -> bool:
+    keys = ("model", "model_type", "layers", "hidden", "vocab", "parameters")
+    return all(a.get(k) == b.get(k) for k in keys)
+
+
+class Trainer:
+    """The state, its shardings and the jitted step for one config, base model and mesh."""
+
+    def __init__(self, cfg: TrainConfig, backbone, mesh):
+        self.cfg = cfg
+        self.model_cfg = backbone.config
+        self.mesh = mesh
+        self.optimizer, self.schedule = make_optimizer(cfg)
+        self.base_sh = mesh_lib.param_shardings(backbone.params, mesh)
+        self.base = jax.device_put(backbone.params, self.base_sh)
+        self.frozen = {} if cfg.full_finetune else self.base
+        self.frozen_sh = {} if cfg.full_finetune else self.base_sh
+        self._step_fn = None
+
+    # -- state -------------------------------------------------------------------------------------
+    def init_state(self) -> dict:
+        cfg = self.cfg
+        key = jax.random.key(cfg.seed)
+        k_init, key = jax.random.split(key)
+        if cfg.full_finetune:
+            trainable = jax.tree.map(lambda x: x.astype(jnp.float32), self.base)
+        else:
+            trainable = lora.init(self.base, cfg.lora_rank, targets=cfg.lora_targets, key=k_init)
+        state = {"trainable": trainable, "opt_state": self.optimizer.init(trainable),
+                 "train": {"step": jnp.zeros((), jnp.int32), "rng": jax.random.key_data(key)}}
+        return jax.device_put(state, self.state_shardings(state))
+
+    def state_shardings(self, state) -> dict:
+        m = self.mesh
+        t_sh = (mesh_lib.param_shardings(state["trainable"], m) if self.cfg.full_finetune
+                else mesh_lib.adapter_shardings(state["trainable"], m))
+        return {"trainable": t_sh, "opt_state": mesh_lib.like(state["opt_state"], state["trainable"], t_sh, m),
+                "train": jax.tree.map(lambda _: mesh_lib.replicated(m), state["train"])}
+
+    # -- the step ----------------------------------------------------------------------------------
+    def params(self, trainable, frozen):
+        """The compute-dtype parameters the model runs with (differentiable in `trainable`)."""
+        if self.cfg.full_finetune:
+            return models.cast_params(trainable, self.model_cfg, models.params_dtype(self.base))
+        return lora.apply(frozen, trainable, self.cfg.lora_scale)
+
+    def logits(self, trainable, frozen, batch):
+        """[E*R, C] label logits of a packed batch (groups of rows over computed prefixes)."""
+        return group_label_logits(self.params(trainable, frozen), batch, self.model_cfg, remat=self.cfg.remat)
+
+    def loss(self, trainable, frozen, batch):
+        return loss_lib.loss(self.logits(trainable, frozen, batch), batches.flat_rows(batch),
+                             brier_weight=self.cfg.brier_weight, ordinal_weight=self.cfg.ordinal_weight)
+
+    def _step(self, state, frozen, batch):
+        (value, stats), grads = jax.value_and_grad(self.loss, has_aux=True)(state["trainable"], frozen, batch)
+        updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["trainable"])
+        trainable = optax.apply_updates(state["trainable"], updates)
+        step = state["train"]["step"]
+        rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state["train"]["rng"]))[0])
+        metrics = {"loss": value, **stats, "grad_norm": optax.global_norm(grads), "lr": self.schedule(step)}
+        return {"trainable": trainable, "opt_state": opt_state, "train": {"step": step + 1, "rng": rng}}, metrics
+
+    def step(self, state, batch):
+        if self._step_fn is None:
+            rep = mesh_lib.replicated(self.mesh)
+            state_sh = self.state_shardings(state)
+            batch_sh = {k: mesh_lib.batch_sharding(self.mesh, v.ndim) for k, v in batch.items()}
+            self._step_fn = jax.jit(self._step, in_shardings=(state_sh, self.frozen_sh, batch_sh),
+                                    out_shardings=(state_sh, rep), donate_argnums=(0,))
+        return self._step_fn(state, self.frozen, batch)
+
+    def put_batch(self, arrays: dict[str, np.ndarray]) -> dict:
+        """Host arrays -> global device arrays, groups split over the batch axes (each process
+        passes its own groups: rows only ever read their own group's prefix)."""
+        out = {}
+        for k, v in arrays.items():
+            sh = mesh_lib.batch_sharding(self.mesh, v.ndim)
+            out[k] = (jax.device_put(v, sh) if jax.process_count() == 1
+                      else jax.make_array_from_process_local_data(sh, v))
+        return out
+
+
+def group_label_logits(params, batch, cfg, *, remat: str = "none"):
+    """[E*R, C] fp32 label logits: the E group prefixes computed in one forward (gradients flow
+    through them), then each group's R rows continuing its prefix as a 1-row shared cache
+    (`readout.rows_label_logits`, vmapped over groups): attention reads the prefix in place, so
+    memory and work do not grow with copies of it per row, as with a per-row gathered cache."""
+    E, R = batch["answer_ER"].shape
+    _, cache = models.forward(params, batch["prefix_EP"], None, cfg, valid_BT=batch["prefix_valid_EP"],
+                              readout_BR=jnp.zeros((E, 1), jnp.int32), remat=remat)
+    mapped = jax.tree.map(lambda x: x.ndim > 0, cache)
+
+    def rows(cache_1, tokens_RT, valid_RT, answer_R, ids_RC):
+        cache_1 = jax.tree.map(lambda x, m: x[None] if m else x, cache_1, mapped)
+        return readout.rows_label_logits(params, cache_1, None, tokens_RT, valid_RT, answer_R, ids_RC, cfg,
+                                         remat=remat)
+
+    in_axes = (jax.tree.map(lambda m: 0 if m else None, mapped), 0, 0, 0, 0)
+    logits_ERC = jax.vmap(rows, in_axes=in_axes)(cache, batch["tokens_ERT"], batch["valid_ERT"], batch["answer_ER"],
+                                                 batch["label_ids_ERC"])
+    return logits_ERC.reshape(E * R, -1)
+
+
+# -- operator output ---------------------------------------------------------------------------------
+def memory() -> str:
+    """Device memory in use (accelerators) or this process's resident memory (CPU)."""
+    dev = jax.local_devices()[0]
+    stats = dev.memory_stats() if dev.platform != "cpu" else None
+    if stats and "bytes_in_use" in stats:
+        used = sum((d.memory_stats() or {}).get("bytes_in_use", 0) for d in jax.local_devices())
+        return f"mem {used / 2**30:.1f} GiB"
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return f"rss {rss / 2**30:.1f} GiB"
+    except (OSError, ValueError):
+        return "mem ?"
+
+
+def clock(seconds: float) -> str:
+    s = int(max(seconds, 0))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+@dataclasses.dataclass
+class Window:
+    """Progress since the last line: windowed rates, not cumulative ones."""
+
+    t0: float
+    steps: int = 0
+    tokens: int = 0
+    metrics: list = dataclasses.field(default_factory=list)
+
+    def line(self, step: int, total: int, elapsed: float) -> tuple[str, dict]:
+        m = jax.device_get(self.metrics)
+        dt_ = max(time.perf_counter() - self.t0, 1e-9)
+        loss_sum = np.sum([x["loss_sum_M"] for x in m], 0)
+        rows = np.sum([x["rows_M"] for x in m], 0)
+        per_mode = {mode: float(loss_sum[i] / rows[i]) for i, mode in enumerate(loss_lib.MODES) if rows[i] > 0}
+        mean = float(loss_sum.sum() / max(rows.sum(), 1e-9))
+        sps, tps = self.steps / dt_, self.tokens / dt_
+        eta = (total - step) / sps if sps > 0 else float("nan")
+        modes = " ".join(f"{k} {v:.3f}" for k, v in per_mode.items())
+        text = (f"step {step}/{total} {100 * step / total:5.1f}% | loss {mean:.4f} ({modes}) | "
+                f"lr {float(m[-1]['lr']):.2e} | {sps:.3f} steps/s | {tps:.0f} tok/s | elapsed {clock(elapsed)} | "
+                f"ETA {clock(eta) if math.isfinite(eta) else '?'} | {memory()}")
+        record = {"event": "progress", "step": step, "loss": mean, "loss_by_mode": per_mode,
+                  "lr": float(m[-1]["lr"]), "grad_norm": float(m[-1]["grad_norm"]), "steps_per_s": sps,
+                  "tokens_per_s": tps, "elapsed_s": round(elapsed, 2)}
+        return text, record
+
+
+def data_iterator(cfg: TrainConfig, data_dir: Path, renderer: batches.Renderer):
+    """The grain iterator of the train split: this process's shard, rendered through the planner."""
+    from lev_jax.data import pipeline
+
+    n_proc = jax.process_count()
+    if cfg.batch_size % n_proc:
+        raise TrainingError(f"batch_size {cfg.batch_size} is not a multiple of the {n_proc} processes")
+
+    def render(grain_batch):
+        examples, skipped = renderer.batch(grain_batch)
+        return {"examples": examples, "skipped": skipped, "epoch": int(grain_batch["epoch"])}
+
+    try:
+        if cfg.group_by_question:
+            keys = batches.question_keys(data_dir)
+            keep = [not cfg.readouts or k.split("|")[0] in cfg.readouts for k in keys]
+            return batches.keyed_iterator(data_dir, keys, keep=keep, batch_size=cfg.batch_size // n_proc, seed=cfg.seed,
+                                          window_batches=cfg.window_batches, transform=render,
+                                          shard_index=jax.process_index(), shard_count=n_proc)
+        return pipeline.make_iterator(data_dir, "train", batch_size=cfg.batch_size // n_proc, seed=cfg.seed,
+                                      num_epochs=None, window_batches=cfg.window_batches,
+                                      readouts=list(cfg.readouts) or None, transform=render,
+                                      shard_index=jax.process_index(), shard_count=n_proc)
+    except ValueError as e:
+        raise TrainingError(f"no training batches in {data_dir}: {e}") from None
+
+
+def next_examples(it: Iterator, counters: dict) -> list[batches.Example]:
+    """The next batch that has at least one example within the token budget."""
+    for _ in range(1000):
+        b = next(it)
+        counters["skipped"] += b["skipped"]
+        counters["epoch"] = b["epoch"]
+        if b["examples"]:
+            return b["examples"]
+    raise TrainingError("1000 batches in a row had no example within max_tokens; raise --set max_tokens=...")
+
+
+def train(cfg: TrainConfig, run_dir: Path, backbone, data_dir: Path, *, mesh, resume: Path | None = None,
+          out: Callable[[str], None] = print, warn: Callable[[str], None] | None = None) -> dict:
+    """Train `cfg.steps` steps (resuming from the newest checkpoint of `run_dir`, or from `resume`),
+    checkpointing every `checkpoint_every` steps and at the end. Returns a summary."""
+    from lev_jax.readout import Planner
+
+    warn = warn or out
+    planner = Planner(backbone.tokenizer, prompt_style=cfg.prompt_style, layout=cfg.layout,
+                      noul_readout=cfg.noul_readout, option_averaging=cfg.option_averaging)
+    renderer = batches.Renderer(planner, seed=cfg.seed, round2=cfg.round2, max_tokens=cfg.max_tokens)
+    it = data_iterator(cfg, data_dir, renderer)
+    trainer = Trainer(cfg, backbone, mesh)
+    state = trainer.init_state()
+    base = fingerprint(cfg, backbone)
+    ckpts = checkpoint.Checkpoints(run_dir, cfg.keep_checkpoints, warn=warn)
+    targets = {k: checkpoint.abstract(state[k], sh) for k, sh in trainer.state_shardings(state).items()}
+    source = ckpts if resume is None else checkpoint.Checkpoints(_run_of(resume), read_only=True, warn=warn)
+    wanted = _step_of(resume)
+    for s in [wanted] if wanted is not None else source.steps()[::-1]:
+        try:  # refuse another base model before restoring anything (an unreadable one: restore says)
+            meta = source.read_meta(s)
+        except Exception:  # noqa: BLE001
+            continue
+        if not same_base(meta.get("base", {}), base):
+            raise TrainingError(f"checkpoint {source.path(s)} belongs to base model "
+                                f"{meta.get('base', {}).get('model')!r} ({meta.get('base', {}).get('name')}), "
+                                f"not {cfg.model!r} ({backbone.name}); use --fresh or another --out")
+        break
+    try:
+        restored = source.restore(**targets, iterator=it, step=wanted)
+    except Exception as e:  # noqa: BLE001 - a checkpoint asked for by name that cannot be read
+        if wanted is None:
+            raise
+        raise TrainingError(f"checkpoint {source.path(wanted)} cannot be restored into this run "
+                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    history = checkpoint.read_history(run_dir)
+    tokens_before, elapsed_before = 0, 0.0
+    if restored is not None:
+        start, trainable, opt_state, train_state, meta = restored
+        state = {"trainable": trainable, "opt_state": opt_state, "train": train_state}
+        tokens_before, elapsed_before = int(meta.get("tokens", 0)), float(meta.get("elapsed_s", 0.0))
+        history = [e for e in history if e.get("step", 0) <= start]
+        out(f"resumed from {source.path(start)} at step {start}")
+    start = int(jax.device_get(state["train"]["step"]))
+    if start >= cfg.steps:
+        out(f"nothing to do: the run is at step {start} of {cfg.steps} (pass a larger --steps to continue)")
+        return {"step": start, "tokens": tokens_before, "history": history}
+    counters = {"skipped": 0, "epoch": 0}
+    mult = max(mesh_lib.batch_multiple(mesh) // jax.process_count(), 1)
+    t_start = time.perf_counter()
+    window = Window(t_start)
+    tokens = tokens_before
+    step = start
+    out(f"training {cfg.preset}: steps {start}..{cfg.steps}, {cfg.batch_size} examples/step, "
+        f"{'full fine-tune' if cfg.full_finetune else f'LoRA r{cfg.lora_rank}'} "
+        f"({lora.n_params(state['trainable']):,} trainable parameters), {cfg.dtype}, mesh {dict(mesh.shape)}, "
+        f"{len(jax.devices())} {jax.devices()[0].platform} device(s)")
+
+    def save(step: int):
+        t0 = time.perf_counter()
+        elapsed = elapsed_before + time.perf_counter() - t_start
+        meta = {"step": step, "epoch": counters["epoch"], "base": base, "tokens": tokens,
+                "elapsed_s": round(elapsed, 2), "skipped_examples": counters["skipped"], "config": cfg.to_json()}
+        path = ckpts.save(step, trainable=state["trainable"], opt_state=state["opt_state"], train=state["train"],
+                          meta=meta, iterator=it)
+        history.append({"event": "checkpoint", "step": step, "path": str(path.relative_to(run_dir.absolute())),
+                        "elapsed_s": round(elapsed, 2)})
+        if jax.process_index() == 0:  # one writer; Orbax coordinates the checkpoint itself
+            checkpoint.write_history(run_dir, history)
+        out(f"checkpoint step {step} -> {path} ({time.perf_counter() - t0:.1f} s)")
+
+    while step < cfg.steps:
+        examples = next_examples(it, counters)
+        arrays, n_tok = batches.pack(examples, multiple=mult, min_length=cfg.min_length)
+        state, metrics = trainer.step(state, trainer.put_batch(arrays))
+        step += 1
+        tokens += n_tok
+        window.steps += 1
+        window.tokens += n_tok
+        window.metrics.append(metrics)
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            text, record = window.line(step, cfg.steps, elapsed_before + time.perf_counter() - t_start)
+            out(text)
+            history.append(record)
+            window = Window(time.perf_counter())
+        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            save(step)
+    ckpts.close()
+    if counters["skipped"]:
+        out(f"{counters['skipped']} example(s) over max_tokens={cfg.max_tokens} were skipped")
+    return {"step": step, "tokens": tokens, "history": history, "state": state, "trainer": trainer}
+
+
+def _run_of(path: Path) -> Path:
+    """The run directory of a --resume PATH (a run directory or one of its checkpoint steps)."""
+    path = Path(path).absolute()
+    if path.parent.name == "checkpoints":
+        return path.parent.parent
+    return path
+
+
+def _step_of(path: Path | None) -> int | None:
+    if path is None:
+        return None
+    p = Path(path)
+    return int(p.name) if p.parent.name == "checkpoints" and p.name.isdigit() else None

@@ -1,0 +1,116 @@
+"""Training rows are the served rows: records -> Planner rows -> shared-prefix groups, targets per code,
+large choices in two rounds, and gradients through a shared prefix equal those of independent rows."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lev_jax import domain, testing
+from lev_jax.readout import Planner
+from lev_jax.training import batches, config, loop, lora
+from lev_jax.training import mesh as mesh_lib
+
+CHOICE = {"type": "choice", "instructions": "Which topic?",
+          "criteria": {"world": "World news", "sports": None, "business": "Markets", "sci_tech": None}}
+SCORE = {"type": "score", "instructions": "How positive?", "criteria": ["bad", "so-so", "good"]}
+NOUL = {"type": "noul", "instructions": "Is it positive?", "criteria": {"yes": "it is", "no": "it is not"}}
+
+
+def _rec(state, q, dist, readout):
+    return {"state": state, "question": q, "target_dist": dist, "readout": readout, "source": "t"}
+
+
+RECORDS = [
+    _rec("The striker scored twice in the final.", CHOICE, [0, 1, 0, 0], "choice"),
+    _rec({"review": "A tender, witty film."}, SCORE, [0, 0, 1], "score"),
+    _rec("Dull and far too long.", NOUL, [1, 0, 0, 0, 0, 0, 0, 0, 0], "noul_rating"),  # rating 0: a no
+    _rec("Markets fell as the bank cut rates.", CHOICE, [0, 0, 1, 0], "choice"),
+]
+
+
+@pytest.fixture(scope="module")
+def bb():
+    # weights at a trained model's scale (not the default 0.5 that makes tiny label distributions
+    # peaked): fp32 rounding of the two computation orders stays far below the 1e-5 tolerance
+    return testing.tiny_backbone("qwen3_5", seed=0, init_std=0.05)
+
+
+def _examples(bb, records, **planner_kw):
+    r = batches.Renderer(Planner(bb.tokenizer, **planner_kw), seed=0)
+    return [r.example(rec, r.rng(0, i)) for i, rec in enumerate(records)]
+
+
+def test_rows_are_the_planners_rows_with_targets_per_code(bb):
+    planner = Planner(bb.tokenizer)
+    ex = _examples(bb, RECORDS)
+    text = planner.state_text(RECORDS[0]["state"])
+    qp = planner.question(text, "q", CHOICE)
+    assert ex[0].prefix == planner.prefix_ids(text)
+    assert [r.tokens for r in ex[0].rows] == [r.tokens for r in qp.readouts[0].rows]  # both option orders
+    assert [r.label_ids for r in ex[0].rows] == [r.label_ids for r in qp.readouts[0].rows]
+    assert ex[0].targets[0].tolist() == [0, 1, 0, 0] and ex[0].targets[1].tolist() == [0, 0, 1, 0]  # reversed
+    assert ex[1].ordinal == [True] and ex[1].targets[0].tolist() == [0, 0, 1]
+    # the served noul readout is binary [yes, no]: a rating-0 target is "no"
+    assert ex[2].modes == [domain.READOUT_MODES.index(domain.BINARY)] * 2
+    assert ex[2].targets[0].tolist() == [0, 1] and ex[2].ordinal == [False, False]
+    rating = _examples(bb, RECORDS[2:3], noul_readout=domain.RATING)[0]
+    assert rating.ordinal == [True] and rating.targets[0].tolist() == [1] + [0] * 8
+
+
+def test_large_choices_train_both_rounds(bb):
+    planner = Planner(bb.tokenizer)
+    planner.group_size = 4  # as a tokenizer with few single-token codes would have it
+    options = {f"intent_{i}": None for i in range(10)}
+    rec = _rec("I lost my card.", {"type": "choice", "instructions": "Which intent?", "criteria": options},
+               [0.0] * 7 + [1.0, 0.0, 0.0], "choice")
+    r = batches.Renderer(planner, seed=0)
+    ex = r.example(rec, r.rng(0, 0))
+    qp = planner.question(planner.state_text(rec["state"]), "q", rec["question"])
+    gi = next(i for i, g in enumerate(qp.groups) if 7 in g)
+    assert [x.tokens for x in ex.rows[:2]] == [x.tokens for x in qp.readouts[gi].rows]  # the gold's group
+    assert ex.targets[0][qp.groups[gi].index(7)] == 1.0
+    round2 = ex.rows[2:]
+    assert len(round2) == 2 and len(round2[0].label_ids) == len(qp.groups)  # one winner per group
+    assert sum(t.sum() for t in ex.targets[2:]) == 2.0  # the gold wins its group in both orders
+    again = r.example(rec, r.rng(0, 0))  # seeded: a resumed run draws the same distractors
+    assert [x.tokens for x in again.rows] == [x.tokens for x in ex.rows]
+
+
+def test_groups_share_the_longest_prefix(bb):
+    ex = _examples(bb, RECORDS)
+    groups = batches.group_rows(ex)
+    assert len(groups) == len(RECORDS)  # state first: one group per example (its option orders)
+    for g in groups:
+        e = g.rows[0][0]
+        assert len(g.prefix) > len(ex[e].prefix)  # state + the question header both orders share
+        for e, i, suffix in g.rows:
+            assert g.prefix + suffix == ex[e].prefix + ex[e].rows[i].tokens
+    # schema first, one question: every row shares the whole question
+    same_q = [_rec(f"Story {i}: the match went to penalties.", CHOICE, [0, 1, 0, 0], "choice") for i in range(5)]
+    ex_q = _examples(bb, same_q, layout="schema_first", option_averaging=False)
+    (g,) = batches.group_rows(ex_q)
+    assert len(g.rows) == 5 and all(len(s) < 40 for _, _, s in g.rows)
+    arrays, tokens = batches.pack(ex_q)
+    assert arrays["prefix_EP"].shape[0] == 1 and tokens == len(g.prefix) + sum(len(s) for _, _, s in g.rows)
+
+
+@pytest.mark.parametrize("layout", ["state_first", "schema_first"])
+def test_shared_prefix_gradients_equal_independent_rows(bb, layout):
+    cfg = config.resolve("tiny", {"layout": layout})
+    records = RECORDS if layout == "state_first" else [
+        _rec(f"Story {i}: the match went to penalties.", CHOICE, [0, 1, 0, 0], "choice") for i in range(3)]
+    ex = _examples(bb, records, layout=layout)
+    trainer = loop.Trainer(cfg, bb, mesh_lib.make(""))
+    state = trainer.init_state()
+    trainable = jax.tree.map(lambda x: x + 0.05, state["trainable"])  # b != 0: the adapter matters
+    grad = jax.jit(jax.value_and_grad(lambda t, f, b: trainer.loss(t, f, b)[0]))
+    shared, _ = batches.pack(ex)
+    alone, _ = batches.pack(ex, shared=False)
+    assert shared["prefix_EP"].shape[0] < alone["prefix_EP"].shape[0]
+    (l1, g1), (l2, g2) = grad(trainable, trainer.frozen, shared), grad(trainable, trainer.frozen, alone)
+    assert float(l1) == pytest.approx(float(l2), abs=1e-5)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+    assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(g1)) > 1e-3  # gradients are not trivially 0
+    assert lora.n_params(g1) == lora.n_params(trainable)

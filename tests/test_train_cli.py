@@ -1,0 +1,103 @@
+"""Bad input to `python -m train` is one line on stderr and exit code 2; config overrides are typed;
+`train plan` sizes presets and refuses one without memory headroom."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lev_jax.data.guard import default_eval_data_dir
+from lev_jax.training import cli, config
+
+REPO = Path(__file__).resolve().parents[1]
+EVAL = default_eval_data_dir()
+
+
+@pytest.fixture(autouse=True)
+def _no_cache(monkeypatch):
+    monkeypatch.setenv(cli.CACHE_ENV, "")  # in-process: leave the test process's JAX config alone
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def _fails(capsys, argv, match):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    assert match in err, err
+    return err
+
+
+def test_bad_presets_keys_and_values(capsys, tmp_path):
+    out = str(tmp_path / "run")
+    _fails(capsys, ["--preset", "nope", "--out", out], "unknown preset 'nope'")
+    _fails(capsys, ["--preset", "tiny", "--out", out, "--set", "colour=blue"], "unknown config key 'colour'")
+    _fails(capsys, ["--preset", "tiny", "--out", out, "--set", "steps=many"], "--set steps=many")
+    _fails(capsys, ["--preset", "tiny", "--out", out, "--set", "remat=sometimes"], "remat must be one of")
+    _fails(capsys, ["--preset", "tiny", "--out", out, "--set", "steps"], "--set takes key=value")
+    _fails(capsys, ["--preset", "tiny"], "--out")  # argparse errors are one line too
+    _fails(capsys, ["--preset", "tiny", "--out", out, "--fresh", "--resume", out], "not allowed with")
+    assert not (tmp_path / "run").exists()  # nothing was written for bad input
+
+
+def test_overrides_are_typed():
+    cfg = config.resolve("tiny", config.parse_sets(["lr=0.5", "calibrate=false", "readouts=choice,score",
+                                                    "steps=3"]))
+    assert (cfg.lr, cfg.calibrate, cfg.readouts, cfg.steps) == (0.5, False, ("choice", "score"), 3)
+    assert config.TrainConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
+    assert set(config.PRESETS) == {"tiny", "smollm2", "smoke", "2b", "4b", "4b-instruct", "9b"}
+    assert config.resolve("2b").full_finetune and config.resolve("4b-instruct").prompt_style == "chat"
+
+
+def test_hub_presets_fail_at_once_offline(capsys, tmp_path):
+    _fails(capsys, ["--preset", "smoke", "--out", str(tmp_path / "r")], "could not fetch 'Qwen/Qwen3.5-0.8B-Base'")
+
+
+def test_data_that_is_not_a_build(capsys, tmp_path):
+    (tmp_path / "empty").mkdir()
+    argv = ["--preset", "tiny", "--out", str(tmp_path / "r"), "--set"]
+    _fails(capsys, argv + [f"data={tmp_path / 'empty'}"], "is not a data build")
+    _fails(capsys, argv + [f"data={tmp_path / 'missing'}"], "no such data directory")
+    (tmp_path / "test.array_record").write_bytes(b"x")
+    _fails(capsys, argv + [f"data={tmp_path / 'test.array_record'}"], "test split")
+
+
+@pytest.mark.skipif(not (EVAL / "banking77-test.csv").is_file(), reason="shared eval-data not found")
+def test_evaluation_files_are_refused(capsys, tmp_path):
+    argv = ["--preset", "tiny", "--out", str(tmp_path / "r"), "--set"]
+    _fails(capsys, argv + [f"data={EVAL / 'banking77-test.csv'}"], "refusing training input")
+    copy = tmp_path / "renamed.csv"  # a renamed copy is caught by its digest
+    copy.write_bytes((EVAL / "banking77-test.csv").read_bytes())
+    _fails(capsys, argv + [f"data={copy}"], "banking77-test.csv")
+
+
+def test_a_checkpoint_of_another_base_model_is_refused(tmp_path):
+    """A tiny run, then a run of another base model (a tiny Llama checkpoint) resuming from it."""
+    from lev_jax import testing
+
+    env = {**os.environ, "LEV_JAX_CACHE": "", "HF_HUB_OFFLINE": "1"}
+    first = tmp_path / "first"
+    p = subprocess.run([sys.executable, "-m", "train", "--preset", "tiny", "--out", str(first), "--steps", "1",
+                        "--set", "calibrate=false"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    other = testing.save_tiny_checkpoint(tmp_path / "llama")
+    p = subprocess.run([sys.executable, "-m", "train", "--preset", "tiny", "--out", str(tmp_path / "second"),
+                        "--set", f"model={other}", "--set", f"data={first / 'data'}", "--resume",
+                        str(first / "checkpoints" / "1")], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr[-2000:]
+    assert "belongs to base model 'tiny-qwen3_5'" in p.stderr
+
+
+def test_plan_sizes_presets_and_refuses_without_headroom(capsys):
+    assert cli.main(["plan", "--preset", "9b", "--accelerator", "h100"]) == 0
+    out = capsys.readouterr().out
+    assert "Qwen/Qwen3.5-9B-Base" in out and "FLOPs" in out and "GiB of" in out and " ok" in out
+    assert cli.main(["plan", "--preset", "9b", "--accelerator", "h100", "--set", "remat=none",
+                     "--set", "batch_size=256"]) == 2
+    captured = capsys.readouterr()
+    assert "TOO MUCH" in captured.out
+    assert len(captured.err.strip().splitlines()) == 1 and "--set remat=full" in captured.err
+    assert cli.main(["plan", "--preset", "tiny", "--accelerator", "cpu"]) == 0

@@ -1,0 +1,174 @@
+"""`python -m train --preset tiny` in real processes: it trains (loss falls), serves through the engine,
+resumes exactly after kill -9 (adapter, optimiser moments and next batch bit-identical), skips a
+corrupt checkpoint by name, reruns resume, and --fresh moves the old run aside."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# every process of this module shares one compilation cache: the tiny step compiles once
+CACHE = Path(tempfile.gettempdir()) / "lev_jax_test_train_xla"
+FAST = ["--set", "calibrate=false", "--set", "log_every=1"]
+
+
+def _env():
+    return {**os.environ, "LEV_JAX_CACHE": str(CACHE), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def train(out, *args, check=True):
+    p = subprocess.run([sys.executable, "-m", "train", "--preset", "tiny", "--out", str(out), *args], cwd=REPO,
+                       env=_env(), capture_output=True, text=True, timeout=900)
+    if check and p.returncode != 0:
+        raise AssertionError(f"train failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return p
+
+
+def _restore(ckpt: Path, item: str):
+    return ocp.StandardCheckpointer().restore((ckpt / item).absolute())
+
+
+def _progress(run: Path) -> list[dict]:
+    return [e for e in json.loads((run / "history.json").read_text())["events"] if e["event"] == "progress"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    run = tmp_path_factory.mktemp("runs") / "tiny"
+    p = train(run)
+    return run, p.stdout
+
+
+def test_tiny_trains_loss_falls_and_writes_the_run(trained):
+    run, stdout = trained
+    assert "step 24/24 100.0%" in stdout and "checkpoint step 24" in stdout
+    progress = _progress(run)
+    assert [e["step"] for e in progress] == [4, 8, 12, 16, 20, 24]
+    assert np.mean([e["loss"] for e in progress[-2:]]) < progress[0]["loss"] - 0.3
+    for e in progress:  # the progress line's content, kept in history.json
+        assert {"loss_by_mode", "lr", "steps_per_s", "tokens_per_s", "elapsed_s"} <= set(e)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["16", "24", "8"]  # keep 3
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["preset"] == "tiny" and cfg["steps"] == 24
+    assert (run / "calibration.json").is_file() and (run / "data" / "manifest.json").is_file()
+
+
+def test_the_trained_run_answers_through_the_engine(trained):
+    import jax
+
+    from lev_jax.data.build import read_split
+    from lev_jax.engine import Engine
+    from lev_jax.readout import Planner, Usage
+    from lev_jax.training import batches, config, loop
+    from lev_jax.training import mesh as mesh_lib
+    from lev_jax.training import run as run_lib
+
+    run, _ = trained
+    bb, cal, meta = run_lib.load_run(run)
+    assert meta["step"] == 24 and bb.name.endswith("+tiny@24") and cal is not None
+    engine = Engine(bb, calibration=cal, **meta["engine"])
+    answers = engine.predict({"review": "A tender, witty film."}, {
+        "stars": {"type": "score", "instructions": "How positive?", "criteria": ["bad", "so-so", "good"]},
+        "liked": {"type": "noul", "instructions": "Is it positive?"}})
+    assert sum(answers["stars"]["probabilities"].values()) == pytest.approx(1.0)
+    assert 0.0 <= answers["liked"]["noul"] <= 1.0
+
+    # lev_jax.load(RUN_DIR) is that engine: the run's backbone, calibration and prompt settings
+    import lev_jax
+
+    loaded = lev_jax.load(str(run))
+    assert loaded.backbone.name == bb.name and loaded.calibration.model_id == bb.name
+    assert loaded.planner.layout == meta["engine"]["layout"] and "@step 24" in loaded.info()["checkpoint"]
+    same = loaded.predict({"review": "A tender, witty film."}, {
+        "stars": {"type": "score", "instructions": "How positive?", "criteria": ["bad", "so-so", "good"]}})
+    assert same["stars"]["probabilities"] == pytest.approx(answers["stars"]["probabilities"], abs=1e-4)  # other buckets
+    leaves = jax.tree.leaves(lev_jax.load_backbone(str(run)).params)
+    assert all(np.array_equal(a, b) for a, b in zip(leaves, jax.tree.leaves(bb.params)))
+
+    # the engine reads exactly the logits training computes for the same record
+    record = next(r for r in read_split(run / "data", "calibration") if r["readout"] == "choice")
+    cfg = config.TrainConfig.from_json(meta["config"])
+    ex = batches.Renderer(Planner(bb.tokenizer, **meta["engine"])).example(record, np.random.default_rng(0))
+    plan = engine.plan(record["state"], {"q": record["question"]})
+    served = engine.executor.read([(plan.prefix_ids, plan.rows)], [Usage()])[0]
+    base = run_lib.load_base(cfg.model, "float32")
+    trainer = loop.Trainer(cfg, base, mesh_lib.make("", devices=jax.devices()[:1]))
+    _, trainable, _ = run_lib.load_checkpoint(run)
+    arrays, _ = batches.pack([ex])
+    logits = np.asarray(jax.jit(trainer.logits)(trainable, trainer.frozen, arrays))
+    for r, (row, want) in enumerate(zip(ex.rows, served)):
+        np.testing.assert_allclose(logits[r, : len(row.label_ids)], want, atol=1e-4, rtol=0)
+
+
+def test_rerun_resumes_and_fresh_moves_the_run_aside(trained, tmp_path):
+    run, _ = trained
+    again = train(run, "--set", "calibrate=false")
+    assert "nothing to do: the run is at step 24 of 24" in again.stdout
+    bad = train(run, "--set", "lora_rank=4", check=False)
+    assert bad.returncode == 2 and "needs --fresh" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    more = train(run, "--steps", "26", *FAST)
+    assert "resumed from" in more.stdout and "checkpoints/24 at step 24" in more.stdout
+    assert "step 26/26" in more.stdout and (run / "checkpoints" / "26").is_dir()
+    fresh = train(run, "--fresh", "--steps", "2", *FAST)
+    moved = [p for p in run.iterdir() if p.name.startswith("superseded-")]
+    assert len(moved) == 1 and (moved[0] / "checkpoints" / "26").is_dir() and (moved[0] / "history.json").is_file()
+    assert "moved the previous run" in fresh.stdout
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2"]
+
+
+def test_exact_resume_after_kill_9(tmp_path):
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    args = ["--steps", "8", "--checkpoint-every", "4", *FAST]
+    train(straight, *args)
+    proc = subprocess.Popen([sys.executable, "-m", "train", "--preset", "tiny", "--out", str(killed), *args],
+                            cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        if line.startswith("checkpoint step 4"):
+            proc.send_signal(signal.SIGKILL)  # mid-run: steps 5.. are under way
+            break
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert not (killed / "checkpoints" / "8").exists(), "the run finished before the kill; nothing was resumed"
+    resumed = train(killed, *args)
+    assert "resumed from" in resumed.stdout and "at step 4" in resumed.stdout
+    a, b = straight / "checkpoints" / "8", killed / "checkpoints" / "8"
+    for item in ("trainable", "opt_state", "train"):  # adapter, optimiser moments and count, step and RNG
+        ta, tb = _restore(a, item), _restore(b, item)
+        import jax
+
+        for (pa, xa), (pb, xb) in zip(jax.tree_util.tree_flatten_with_path(ta)[0],
+                                      jax.tree_util.tree_flatten_with_path(tb)[0]):
+            assert pa == pb
+            assert np.array_equal(np.asarray(xa), np.asarray(xb)), f"{item} {jax.tree_util.keystr(pa)} differs"
+    # the next batch: the grain iterator states are the same, and so is the batch they read next
+    state_a = json.loads((a / "data" / "process_0-of-1.json").read_text())
+    state_b = json.loads((b / "data" / "process_0-of-1.json").read_text())
+    assert state_a == state_b
+    from lev_jax.data.pipeline import make_iterator
+
+    cfg = json.loads((straight / "config.json").read_text())
+    nxt = [next(make_iterator(run / "data", batch_size=cfg["batch_size"], seed=cfg["seed"], num_epochs=None,
+                              window_batches=cfg["window_batches"], state=state))["index"].tolist()
+           for run, state in ((straight, state_a), (killed, state_b))]
+    assert nxt[0] == nxt[1]
+
+
+def test_a_corrupt_checkpoint_is_skipped_by_name(tmp_path):
+    run = tmp_path / "run"
+    train(run, "--steps", "4", "--checkpoint-every", "2", *FAST)
+    newest = run / "checkpoints" / "4"
+    for f in (newest / "trainable").rglob("*"):
+        if f.is_file() and f.stat().st_size > 0 and "metadata" not in f.name:
+            f.write_bytes(b"\0" * 7)  # truncate the adapter's data
+    p = train(run, "--steps", "6", *FAST)
+    assert f"skipping corrupt checkpoint {newest}" in p.stdout
+    assert "at step 2" in p.stdout and (run / "checkpoints" / "6").is_dir()
+    assert any(d.name.startswith("4-") for d in (run / "corrupt").iterdir())

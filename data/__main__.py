@@ -1,5 +1,6 @@
 """``python -m data build|check|eval|list`` from the repository root (installed: ``lev data``); a thin
 wrapper around :mod:`lev_jax.data.cli`."""
+
 import sys
 
 from lev_jax.data.cli import main

@@ -3,6 +3,7 @@
 Calibrated probabilities over supplied candidates, read from an LLM's next-token distribution;
 the state is computed once and every question continues from its cached prefix.
 """
+
 from lev_jax.backbone import Backbone
 from lev_jax.errors import CheckpointError
 

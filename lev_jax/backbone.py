@@ -1,11 +1,12 @@
 """A loaded backbone: config + parameter pytree + tokenizer, with jitted entry points.
 
-    bb = lev_jax.load_backbone(None)          # the embedded SmolLM2-135M-Instruct
-    bb.logits(ids_BT)                         # [B, T, vocab] fp32
-    cache = bb.prefill(prefix_ids)            # state of a prefix, computed once
-    hidden, cache2 = bb.extend(cache, suffix_ids_BT, valid_BT, readout_BR)   # fork to B rows + extend
-    bb.head(hidden, token_ids)                # only the head rows a readout needs
+bb = lev_jax.load_backbone(None)          # the embedded SmolLM2-135M-Instruct
+bb.logits(ids_BT)                         # [B, T, vocab] fp32
+cache = bb.prefill(prefix_ids)            # state of a prefix, computed once
+hidden, cache2 = bb.extend(cache, suffix_ids_BT, valid_BT, readout_BR)   # fork to B rows + extend
+bb.head(hidden, token_ids)                # only the head rows a readout needs
 """
+
 from __future__ import annotations
 
 import functools
@@ -91,8 +92,9 @@ class Backbone:
         cache = None
         for start in range(0, total, step):
             sl = slice(start, start + step)
-            _, cache = _extend(self.params, jnp.asarray(tok_pad[:, sl]), jnp.asarray(val_pad[:, sl]), None, cache,
-                               self.config)
+            _, cache = _extend(
+                self.params, jnp.asarray(tok_pad[:, sl]), jnp.asarray(val_pad[:, sl]), None, cache, self.config
+            )
             cache = cache_lib.grow(cache, slots)
         return cache
 
@@ -136,8 +138,9 @@ def load_backbone(path_or_hub_id=None, dtype: str = "float32") -> Backbone:
     except (KeyError, ValueError, TypeError) as e:
         raise CheckpointError(f"{ckpt_dir}/config.json: {type(e).__name__}: {e}") from None
     params = hf.load_params(ckpt_dir, cfg, models.abstract_params(cfg, dtype))
-    return Backbone(cfg, params, _tokenizer_for(ckpt_dir, cfg), name=ckpt_dir.name, source=str(ckpt_dir),
-                    hf_config=hf_config)
+    return Backbone(
+        cfg, params, _tokenizer_for(ckpt_dir, cfg), name=ckpt_dir.name, source=str(ckpt_dir), hf_config=hf_config
+    )
 
 
 def _tokenizer_for(ckpt_dir: Path, cfg):

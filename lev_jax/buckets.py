@@ -9,6 +9,7 @@ stay in its last-level cache (bf16 SmolLM2 on the 2-core machine: 0.42 ms per ro
 48 tokens, 0.55 at 64 x 48; a 2048-token prefill in 256-token chunks takes half the time of one
 2048-token call), an accelerator when calls are large. `python -m scripts.bench_predict` measures it.
 """
+
 from __future__ import annotations
 
 

@@ -10,9 +10,9 @@ A :class:`CalibrationRow` is one answered calibration question:
 
 * ``logits`` - the readout's logits over the offered candidates, in the candidates' canonical
   (offered) order. For an order-averaged readout, a list of such arrays (or a 2-D array,
-  ``(n_orderings, n_options)``), one per presentation order, each already mapped back to the canonical order; the temperature is applied to each
-  ordering, each is soft-maxed, and the probabilities are averaged (exactly what predict()
-  does, see :func:`readout`).
+  ``(n_orderings, n_options)``), one per presentation order, each already mapped back to the canonical
+  order; the temperature is applied to each ordering, each is soft-maxed, and the probabilities are
+  averaged (exactly what predict() does, see :func:`readout`).
 * ``gold`` - the correct candidate's index (``choice`` and other categorical types), or a
   ``bool`` for ``noul`` (yes/no) questions.
 * ``qtype``, ``mode`` - the question type and readout mode, e.g. ``("choice", "letter")``,
@@ -77,13 +77,24 @@ import math
 import os
 import re
 from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from lev_jax import metrics
-from lev_jax.domain import BAND_RANGES, BANDED_QTYPES, BANDS, BINARY, NOUL, RATING, RATING_LEVELS, RATING_WEIGHTS, band_of
+from lev_jax.domain import (
+    BAND_RANGES,
+    BANDED_QTYPES,
+    BANDS,
+    BINARY,
+    NOUL,
+    RATING,
+    RATING_LEVELS,
+    RATING_WEIGHTS,
+    band_of,
+)
 
 __all__ = [
     "FORMAT",
@@ -155,10 +166,15 @@ def forbidden_split_reason(name: str) -> str | None:
     tokens = _split_tokens(str(name))
     for t in tokens:
         if t in _FORBIDDEN_TOKENS:
-            return f"split {name!r} looks like held-out data (word {t!r}); calibrate on calibration/train/val splits only"
+            return (
+                f"split {name!r} looks like held-out data (word {t!r}); calibrate on calibration/train/val splits only"
+            )
     for pair in zip(tokens, tokens[1:]):
         if pair in _FORBIDDEN_PAIRS:
-            return f"split {name!r} looks like held-out data (words {' '.join(pair)!r}); calibrate on calibration/train/val splits only"
+            return (
+                f"split {name!r} looks like held-out data (words {' '.join(pair)!r}); "
+                "calibrate on calibration/train/val splits only"
+            )
     return None
 
 
@@ -457,8 +473,14 @@ def _fit_bucket(qtype: str, mode: str, band: str | None, rows: Sequence[Calibrat
     }
     if len(rows) < min_rows:
         rec.update(
-            temperature=1.0, status="too_few_rows", weighting=None, selection=None,
-            temperature_row=None, temperature_family=None, lofo_ece=None, at_bound=False,
+            temperature=1.0,
+            status="too_few_rows",
+            weighting=None,
+            selection=None,
+            temperature_row=None,
+            temperature_family=None,
+            lofo_ece=None,
+            at_bound=False,
         )
     else:
         fitter = _BucketFitter(packed, bounds)
@@ -472,8 +494,13 @@ def _fit_bucket(qtype: str, mode: str, band: str | None, rows: Sequence[Calibrat
         t = t_row if weighting == "row" else t_fam
         u = math.log(t)
         rec.update(
-            temperature=t, status="fitted", weighting=weighting, selection=selection,
-            temperature_row=t_row, temperature_family=t_fam, lofo_ece=lofo,
+            temperature=t,
+            status="fitted",
+            weighting=weighting,
+            selection=selection,
+            temperature_row=t_row,
+            temperature_family=t_fam,
+            lofo_ece=lofo,
             at_bound=bool(min(u - bounds[0], bounds[1] - u) < _AT_BOUND_TOL),
         )
     rec["ece_after"] = packed.ece(rec["temperature"])
@@ -489,7 +516,7 @@ def fit(
     min_rows: int = MIN_ROWS,
     log_t_bounds: tuple[float, float] = LOG_T_BOUNDS,
     fit_date: _dt.datetime | None = None,
-) -> "Calibration":
+) -> Calibration:
     """Fit one temperature per bucket on calibration rows; see the module docstring.
 
     ``splits`` names the splits the rows were drawn from (e.g. ``["banking77-train",
@@ -523,7 +550,7 @@ def fit(
     keys = sorted(groups, key=lambda k: (k[0], k[1], band_order[k[2]]))
     buckets = [_fit_bucket(q, m, b, groups[(q, m, b)], min_rows, (lo, hi)) for q, m, b in keys]
 
-    when = (fit_date or _dt.datetime.now(_dt.timezone.utc)).astimezone(_dt.timezone.utc)
+    when = (fit_date or _dt.datetime.now(_dt.UTC)).astimezone(_dt.UTC)
     doc = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
@@ -583,12 +610,20 @@ class Calibration:
     # ---- construction / IO
 
     @classmethod
-    def identity(cls, model_id: str | None = None) -> "Calibration":
-        return cls({"format": FORMAT, "version": FORMAT_VERSION, "model_id": model_id, "fit_date": None,
-                    "fitted_on": None, "buckets": []})
+    def identity(cls, model_id: str | None = None) -> Calibration:
+        return cls(
+            {
+                "format": FORMAT,
+                "version": FORMAT_VERSION,
+                "model_id": model_id,
+                "fit_date": None,
+                "fitted_on": None,
+                "buckets": [],
+            }
+        )
 
     @classmethod
-    def load(cls, path: str | Path, *, model_id: str | None = None) -> "Calibration":
+    def load(cls, path: str | Path, *, model_id: str | None = None) -> Calibration:
         """Load ``path`` (a ``calibration.json`` or the directory holding it). With
         ``model_id``, raise ``ValueError`` if the profile was fitted for a different model."""
         p = Path(path)
@@ -601,7 +636,7 @@ class Calibration:
         return cal
 
     @classmethod
-    def load_or_identity(cls, path: str | Path | None, *, model_id: str | None = None) -> "Calibration":
+    def load_or_identity(cls, path: str | Path | None, *, model_id: str | None = None) -> Calibration:
         """Like :meth:`load`, but the identity profile when there is no calibration file."""
         if path is None:
             return cls.identity(model_id)
@@ -718,7 +753,8 @@ class Calibration:
             "ECE (10 equal-width bins) and NLL before (T = 1) and after, on the fitting rows; "
             "LOFO = leave-one-family-out ECE of each weighting (pooled held-out rows).",
             "",
-            "| bucket | rows | families | status | weighting | T | ECE before | ECE after | NLL before | NLL after | LOFO row | LOFO family |",
+            "| bucket | rows | families | status | weighting | T | ECE before | ECE after | NLL before | NLL after "
+            "| LOFO row | LOFO family |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for b in d.get("buckets", []):
@@ -740,7 +776,7 @@ def _stamp_of(path: Path) -> str:
         when = _dt.datetime.strptime(json.loads(path.read_text(encoding="utf-8"))["fit_date"], "%Y-%m-%dT%H:%M:%SZ")
         return when.strftime("%Y%m%dT%H%M%SZ")
     except Exception:
-        mtime = _dt.datetime.fromtimestamp(path.stat().st_mtime, _dt.timezone.utc)
+        mtime = _dt.datetime.fromtimestamp(path.stat().st_mtime, _dt.UTC)
         return mtime.strftime("%Y%m%dT%H%M%SZ")
 
 

@@ -52,8 +52,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"lev-jax {__version__}")
         return 0
     if name not in SUBCOMMANDS:
-        print(f"lev: unknown subcommand {name!r} (choose from {', '.join(SUBCOMMANDS)}; see `lev --help`)",
-              file=sys.stderr)
+        print(
+            f"lev: unknown subcommand {name!r} (choose from {', '.join(SUBCOMMANDS)}; see `lev --help`)",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     module_name = SUBCOMMANDS[name][0]
     try:

@@ -16,8 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from lev_jax import buckets, domain, readout
 from lev_jax import backbone as backbone_lib
+from lev_jax import buckets, domain, readout
 from lev_jax.backbone import Backbone, compiled_programs
 from lev_jax.calibrate import Calibration
 from lev_jax.errors import RequestError
@@ -44,15 +44,30 @@ class DecisionEngine(Protocol):
 
 
 class Engine:
-    def __init__(self, backbone: Backbone, *, prompt_style: str = "chat", calibration: Calibration | None = None,
-                 option_averaging: bool = True, noul_readout: str = domain.BINARY, layout: str = "state_first",
-                 model_name: str | None = None, checkpoint: str | None = None, prefix_cache_bytes: int = 256 << 20):
+    def __init__(
+        self,
+        backbone: Backbone,
+        *,
+        prompt_style: str = "chat",
+        calibration: Calibration | None = None,
+        option_averaging: bool = True,
+        noul_readout: str = domain.BINARY,
+        layout: str = "state_first",
+        model_name: str | None = None,
+        checkpoint: str | None = None,
+        prefix_cache_bytes: int = 256 << 20,
+    ):
         if backbone.tokenizer is None:
             raise ValueError("predict() needs a tokenizer; this checkpoint ships none")
         self.backbone = backbone
         self.tokenizer = backbone.tokenizer
-        self.planner = readout.Planner(self.tokenizer, prompt_style=prompt_style, layout=layout,
-                                       noul_readout=noul_readout, option_averaging=option_averaging)
+        self.planner = readout.Planner(
+            self.tokenizer,
+            prompt_style=prompt_style,
+            layout=layout,
+            noul_readout=noul_readout,
+            option_averaging=option_averaging,
+        )
         self.executor = readout.Executor(backbone, prefix_cache_bytes=prefix_cache_bytes)
         self.calibration = calibration or Calibration.identity(model_name or backbone.name)
         self.model_name = model_name or backbone.name
@@ -75,8 +90,14 @@ class Engine:
     def count_tokens(self, state, questions) -> dict:
         return self.plan(state, questions).token_counts()
 
-    def answer(self, plans: list[readout.RequestPlan], usages: list[readout.Usage], *, reader=None,
-               calibration: Calibration | None = None) -> list[dict]:
+    def answer(
+        self,
+        plans: list[readout.RequestPlan],
+        usages: list[readout.Usage],
+        *,
+        reader=None,
+        calibration: Calibration | None = None,
+    ) -> list[dict]:
         """Answers of planned requests. `reader` (default: the executor's fast path) maps
         [(prefix_ids, rows)] to label logits; `calibration` defaults to the engine's."""
         return readout.run(plans, reader or self.executor.read, usages, self.planner, calibration or self.calibration)
@@ -86,8 +107,9 @@ class Engine:
         (no shared prefix, no bucketing): slow, for checking the fast path."""
         return self.predict_with_usage(state, questions, reference=reference, calibration=calibration)[0]
 
-    def predict_with_usage(self, state, questions, *, reference: bool = False,
-                           calibration: Calibration | None = None) -> tuple[dict, dict]:
+    def predict_with_usage(
+        self, state, questions, *, reference: bool = False, calibration: Calibration | None = None
+    ) -> tuple[dict, dict]:
         """(answers, usage): usage = {"input_tokens": state prefix once + every question row,
         including round-2 rows of grouped choices, "cached_input_tokens": of those, prefix tokens
         reused from an earlier request with the same state}."""
@@ -143,8 +165,12 @@ class Engine:
             "platform": self.platform,
             "row_tokens_per_call": buckets.row_tokens_per_call(self.platform),
             "compiled_programs": self.compiled_programs,
-            "buckets": {"prefix": buckets.PREFIX, "suffix": buckets.SUFFIX, "rows": buckets.ROWS,
-                        "codes": buckets.CODES},
+            "buckets": {
+                "prefix": buckets.PREFIX,
+                "suffix": buckets.SUFFIX,
+                "rows": buckets.ROWS,
+                "codes": buckets.CODES,
+            },
         }
 
 
@@ -158,8 +184,16 @@ def load_backbone(path_or_hub_id=None, dtype: str = "float32") -> Backbone:
     return backbone_lib.load_backbone(path_or_hub_id, dtype=dtype)
 
 
-def load(model=None, checkpoint=None, prompt_style: str | None = None, dtype: str = "float32", *,
-         calibration="auto", noul_readout: str | None = None, **engine_kwargs) -> Engine:
+def load(
+    model=None,
+    checkpoint=None,
+    prompt_style: str | None = None,
+    dtype: str = "float32",
+    *,
+    calibration="auto",
+    noul_readout: str | None = None,
+    **engine_kwargs,
+) -> Engine:
     """An engine over `model` (None = the embedded default, a checkpoint directory, a .gguf file, a
     hub id, a training run directory, or an already loaded Backbone). `calibration`: "auto"
     (calibration.json beside the weights or in the run, else the profile shipped for the backbone,

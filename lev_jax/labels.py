@@ -1,9 +1,11 @@
 """Label codes: the single tokens a Mode A readout reads, one per offered candidate.
 
 Letters A, B, C, ... then AA, AB, ... for choice options and score levels; Yes/No for a binary noul;
-digits 0-8 for a rating noul (the code sets are in lev_jax.domain). A code counts only if appending it to the answer context adds exactly
-one token to the encoding of that context: a code that splits is skipped, never read.
+digits 0-8 for a rating noul (the code sets are in lev_jax.domain). A code counts only if appending it to the
+answer context adds exactly one token to the encoding of that context: a code that splits is skipped, never
+read.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -58,10 +60,15 @@ class LabelCodes:
         Usually the separator belongs to the code token (" Yes" after "Answer:", lead ""). Tokenizers
         that split a separator from what follows (SmolLM2 splits " 0" into " " + "0") read the bare
         code after a row that already ends with the separator (lead " ")."""
-        attempts = [("", self)] if not self.sep else [("", self), (self.sep, LabelCodes(self.tokenizer, self.context + self.sep, ""))]
+        attempts = (
+            [("", self)]
+            if not self.sep
+            else [("", self), (self.sep, LabelCodes(self.tokenizer, self.context + self.sep, ""))]
+        )
         for lead, reader in attempts:
             toks = [reader.token_of(code) for code in codes]
             if all(t is not None for t in toks) and len(set(toks)) == len(toks):
                 return lead, list(zip(codes, toks))
-        raise ValueError(f"the tokenizer has no single token for every code of {tuple(codes)} after "
-                         f"{self.context[-20:]!r}")
+        raise ValueError(
+            f"the tokenizer has no single token for every code of {tuple(codes)} after {self.context[-20:]!r}"
+        )

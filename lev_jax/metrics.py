@@ -36,10 +36,11 @@ Conventions (fixed here, so every caller agrees)
 
 from __future__ import annotations
 
-import warnings
 import math
+import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence, Union
+from typing import Any
 
 import numpy as np
 
@@ -67,7 +68,7 @@ __all__ = [
     "reliability_diagram_png",
 ]
 
-ProbRows = Union[np.ndarray, Sequence[Sequence[float]], Sequence[np.ndarray]]
+ProbRows = np.ndarray | Sequence[Sequence[float]] | Sequence[np.ndarray]
 
 SUM_ATOL = 1e-3
 NLL_FLOOR = 1e-12
@@ -143,7 +144,9 @@ def _weights(weights, n: int) -> np.ndarray:
     return w
 
 
-def binary_rows(p_yes: Sequence[float] | np.ndarray, gold_yes: Sequence[bool] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def binary_rows(
+    p_yes: Sequence[float] | np.ndarray, gold_yes: Sequence[bool] | np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Yes/no answers as 2-class rows: ``([[p, 1-p], ...], gold)``, gold 0 = yes, 1 = no."""
     p = np.asarray(p_yes, dtype=np.float64).reshape(-1)
     y = np.asarray(gold_yes)
@@ -358,7 +361,9 @@ def summarize(
     return out
 
 
-def reliability_diagram_png(bins: Sequence[Mapping[str, Any]], path: str | Path, title: str | None = None) -> Path | None:
+def reliability_diagram_png(
+    bins: Sequence[Mapping[str, Any]], path: str | Path, title: str | None = None
+) -> Path | None:
     """Draw :func:`reliability_bins` output as a PNG at ``path``.
 
     matplotlib is optional: returns ``None`` (and writes nothing) when it is not installed,

@@ -6,6 +6,7 @@ after the assistant turn opens) and `plain` (no template; the answer follows "An
 Two layouts: `state_first` (the state, then the question: every question of a request shares the
 state prefix, which is computed once) and `schema_first` (the question, then the state).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,8 +45,11 @@ def choice_text(instructions: str, options: list[tuple[str, object]], codes: lis
 
 def score_text(instructions: str, levels: list[str], codes: list[str]) -> str:
     lines = [f"{code}) {level}" for code, level in zip(codes, levels)]
-    return (f"Question: {instructions}\nLevels, from lowest to highest:\n" + "\n".join(lines)
-            + "\nAnswer with the letter of the level that fits best.")
+    return (
+        f"Question: {instructions}\nLevels, from lowest to highest:\n"
+        + "\n".join(lines)
+        + "\nAnswer with the letter of the level that fits best."
+    )
 
 
 def _noul_criteria(criteria) -> list[str]:
@@ -64,8 +68,11 @@ def noul_binary_text(instructions: str, criteria, order: tuple[str, str]) -> str
 
 
 def noul_rating_text(instructions: str, criteria) -> str:
-    lines = [f"Question: {instructions}", *_noul_criteria(criteria),
-             "Rate how likely the answer is yes, from 0 (certainly no) to 8 (certainly yes). Answer with one digit."]
+    lines = [
+        f"Question: {instructions}",
+        *_noul_criteria(criteria),
+        "Rate how likely the answer is yes, from 0 (certainly no) to 8 (certainly yes). Answer with one digit.",
+    ]
     return "\n".join(lines)
 
 
@@ -86,8 +93,9 @@ class PromptFormat:
         if style == "chat":
             if not getattr(tokenizer, "chat_template", None):
                 raise ValueError("prompt_style 'chat' needs a tokenizer with a chat template; use 'plain'")
-            text = tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL}],
-                                                 add_generation_prompt=True, enable_thinking=False)
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": _SENTINEL}], add_generation_prompt=True, enable_thinking=False
+            )
             self.head, self.tail = text.split(_SENTINEL)
             self.sep = ""
         else:

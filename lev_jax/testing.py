@@ -1,5 +1,6 @@
 """Tiny random models with real tokenizers: real (if untrained) models for tests, fuzzing and demos
 that must run in seconds. Their weights follow HF's initialisation; nothing about them is mocked."""
+
 from __future__ import annotations
 
 import json
@@ -11,15 +12,38 @@ from safetensors.numpy import save_file
 from lev_jax import models
 from lev_jax.backbone import Backbone
 
-TINY_LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=128,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=65536, tie_word_embeddings=True)
-TINY_QWEN3_5 = dict(model_type="qwen3_5_text", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=16,
-                    linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-                    tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=65536,
-                    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-                    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25})
+TINY_LLAMA = dict(
+    model_type="llama",
+    architectures=["LlamaForCausalLM"],
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+    max_position_embeddings=65536,
+    tie_word_embeddings=True,
+)
+TINY_QWEN3_5 = dict(
+    model_type="qwen3_5_text",
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=65536,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+)
 
 
 def _smollm2_tokenizer():
@@ -43,8 +67,9 @@ def tiny_backbone(family: str = "llama", seed: int = 0, init_std: float = 0.5, d
     else:
         raise ValueError(f"unknown tiny family {family!r}")
     cfg = models.config_from_hf(hf)
-    return Backbone(cfg, models.random_params(cfg, dtype, seed=seed, init_std=init_std), tok, name=f"tiny-{family}",
-                    hf_config=hf)
+    return Backbone(
+        cfg, models.random_params(cfg, dtype, seed=seed, init_std=init_std), tok, name=f"tiny-{family}", hf_config=hf
+    )
 
 
 def save_tiny_checkpoint(directory, seed: int = 0) -> Path:
@@ -63,8 +88,10 @@ def save_tiny_checkpoint(directory, seed: int = 0) -> Path:
             tensors[pre + f"self_attn.{name}.weight"] = layer["self_attn"][name]["kernel"].T
         for name in ("gate_proj", "up_proj", "down_proj"):
             tensors[pre + f"mlp.{name}.weight"] = layer["mlp"][name]["kernel"].T
-    save_file({k: np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in tensors.items()},
-              str(directory / "model.safetensors"))
+    save_file(
+        {k: np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in tensors.items()},
+        str(directory / "model.safetensors"),
+    )
     (directory / "config.json").write_text(json.dumps(bb.hf_config, indent=1))
     bb.tokenizer.save(directory)
     return directory

@@ -194,9 +194,7 @@ class _TiktokenBackend:
         return self.enc.encode(self._normalize(text), allowed_special="all", disallowed_special=())
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return self.enc.encode_batch(
-            [self._normalize(t) for t in texts], allowed_special="all", disallowed_special=()
-        )
+        return self.enc.encode_batch([self._normalize(t) for t in texts], allowed_special="all", disallowed_special=())
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         if skip_special_tokens:
@@ -439,8 +437,14 @@ class Tokenizer:
         directory.mkdir(parents=True, exist_ok=True)
         self._backend.tk.save(str(directory / "tokenizer.json"))
         name = lambda i: None if i is None else self.id_to_token(i)
-        config = {"bos_token": name(self.bos_id), "eos_token": name(self.eos_id), "pad_token": name(self.pad_id),
-                  "unk_token": name(self.unk_id), "add_bos_token": self.add_bos, "chat_template": self.chat_template}
+        config = {
+            "bos_token": name(self.bos_id),
+            "eos_token": name(self.eos_id),
+            "pad_token": name(self.pad_id),
+            "unk_token": name(self.unk_id),
+            "add_bos_token": self.add_bos,
+            "chat_template": self.chat_template,
+        }
         (directory / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=1))
         return directory
 
@@ -453,8 +457,6 @@ class Tokenizer:
         ``<|im_end|>``=248046 (eos); no BOS.
         """
         return _qwen3_5_cached()
-
-
 
 
 def _chat_template_from_dir(directory: Path, config: dict, cfg_file: Path) -> str | None:

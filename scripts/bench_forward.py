@@ -6,11 +6,11 @@ Prints tokens/s and achieved GFLOP/s (matmul FLOPs of the forward, counted from 
 prefill of --tokens tokens, and the best GFLOP/s of plain jitted matmuls of the same dtype (the model's
 own shapes and a large square one) measured in the same process, so the ratio survives a noisy machine.
 """
+
 from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import time
 
 import jax

@@ -17,6 +17,7 @@ All transformers calls use logits_to_keep=1 (the head only at the last position)
 Prints ms per request, speedups against the fastest transformers method, the marginal cost of a
 question relative to the state, and predict()'s achieved GFLOP/s next to the measured matmul ceiling.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,9 +30,9 @@ import torch
 
 import lev_jax
 from lev_jax import buckets
+from lev_jax.bench.torch_reference import transformers_gguf_model
 from lev_jax.loaders.gguf import embedded_default_path
 from scripts.bench_forward import matmul_ceiling
-from lev_jax.bench.torch_reference import transformers_gguf_model
 
 STATE = (
     "Customer support ticket #48213, opened 2026-11-28 via the mobile app. The customer, a premium "
@@ -49,14 +50,27 @@ STATE = (
     "delivered on time; one earlier complaint about a damaged lamp in 2024, resolved with a voucher. "
     "Preferred contact: email. Language: English. Region: Germany. Warehouse: Leipzig hub."
 )
-TOPICS = [("refund", "cancel", "delivery"), ("billing", "shipping", "account"), ("angry", "calm", "neutral"),
-          ("urgent", "normal", "low"), ("desk", "chair", "lamp"), ("email", "phone", "chat"),
-          ("germany", "france", "spain"), ("premium", "basic", "trial")]
+TOPICS = [
+    ("refund", "cancel", "delivery"),
+    ("billing", "shipping", "account"),
+    ("angry", "calm", "neutral"),
+    ("urgent", "normal", "low"),
+    ("desk", "chair", "lamp"),
+    ("email", "phone", "chat"),
+    ("germany", "france", "spain"),
+    ("premium", "basic", "trial"),
+]
 
 
 def questions(n: int) -> dict:
-    return {f"q{i}": {"type": "choice", "instructions": f"Question {i}: which label fits the ticket best?",
-                      "criteria": {o: None for o in TOPICS[i % len(TOPICS)]}} for i in range(n)}
+    return {
+        f"q{i}": {
+            "type": "choice",
+            "instructions": f"Question {i}: which label fits the ticket best?",
+            "criteria": {o: None for o in TOPICS[i % len(TOPICS)]},
+        }
+        for i in range(n)
+    }
 
 
 def best_ms(fn, repeats: int) -> float:
@@ -75,8 +89,10 @@ class Torch:
 
     @torch.no_grad()
     def naive(self, prefix, rows):
-        return [self.model(input_ids=torch.tensor([prefix + r.tokens]), logits_to_keep=1).logits[0, -1, r.label_ids]
-                for r in rows]
+        return [
+            self.model(input_ids=torch.tensor([prefix + r.tokens]), logits_to_keep=1).logits[0, -1, r.label_ids]
+            for r in rows
+        ]
 
     @torch.no_grad()
     def fork(self, prefix, rows):
@@ -84,8 +100,9 @@ class Torch:
         out = []
         for r in rows:
             c = copy.deepcopy(cache)
-            logits = self.model(input_ids=torch.tensor([r.tokens]), past_key_values=c, use_cache=True,
-                                logits_to_keep=1).logits
+            logits = self.model(
+                input_ids=torch.tensor([r.tokens]), past_key_values=c, use_cache=True, logits_to_keep=1
+            ).logits
             out.append(logits[0, -1, r.label_ids])
         return out
 
@@ -96,7 +113,7 @@ class Torch:
         ids = torch.zeros((len(seqs), T), dtype=torch.long)
         mask = torch.zeros((len(seqs), T), dtype=torch.long)
         for i, s in enumerate(seqs):  # left padding: every row's answer position is the last one
-            ids[i, T - len(s):], mask[i, T - len(s):] = torch.tensor(s), 1
+            ids[i, T - len(s) :], mask[i, T - len(s) :] = torch.tensor(s), 1
         logits = self.model(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits[:, -1]
         return [logits[i, r.label_ids] for i, r in enumerate(rows)]
 
@@ -114,8 +131,9 @@ def device_flops(engine, plan) -> float:
         rows = seg.rest
         sg, seg_calls = engine.executor.segment_calls(seg.headers)
         total += sum(b * sg * cfg.flops_per_token(pb + sg / 2) for _, b in seg_calls)
-    return total + sum(c.batch * c.length * cfg.flops_per_token(pb + sg + c.length / 2)
-                       for c in engine.executor.calls(rows))
+    return total + sum(
+        c.batch * c.length * cfg.flops_per_token(pb + sg + c.length / 2) for c in engine.executor.calls(rows)
+    )
 
 
 def main(argv=None):
@@ -131,9 +149,11 @@ def main(argv=None):
     colds = {d: lev_jax.Engine(e.backbone, prefix_cache_bytes=0) for d, e in engines.items()}
     base = transformers_gguf_model(embedded_default_path())
     refs = {d: Torch(base if d == "float32" else copy.deepcopy(base).to(getattr(torch, d))) for d in dtypes}
-    print(f"jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__} "
-          f"({torch.get_num_threads()} threads); dtypes {dtypes} (lev-jax bf16: bf16 weights and matmul inputs, "
-          f"fp32 accumulation and residual stream; transformers bf16: the model cast to bf16)")
+    print(
+        f"jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads); dtypes {dtypes} (lev-jax bf16: bf16 weights and matmul inputs, "
+        f"fp32 accumulation and residual stream; transformers bf16: the model cast to bf16)"
+    )
     engine0 = next(iter(engines.values()))
     plan0 = engine0.plan(STATE, questions(1))
     print(f"state prefix: {len(plan0.prefix_ids)} tokens (chat header + state)")
@@ -146,11 +166,15 @@ def main(argv=None):
         t_ref = {}
         for d, ref in refs.items():
             for m in ("naive", "fork", "batch"):
-                t_ref[(m, d)] = best_ms(lambda m=m, ref=ref: getattr(ref, m)(plan.prefix_ids, rows),
-                                        max(1, args.repeats - (n >= 16)))
+                t_ref[(m, d)] = best_ms(
+                    lambda m=m, ref=ref: getattr(ref, m)(plan.prefix_ids, rows), max(1, args.repeats - (n >= 16))
+                )
         fastest = min(t_ref, key=t_ref.get)
-        print(f"N={n:2d} rows={len(rows):2d} transformers ms: "
-              + " ".join(f"{m}/{d[:4]} {t:8.1f}" for (m, d), t in t_ref.items()) + f" | fastest {'/'.join(fastest)}")
+        print(
+            f"N={n:2d} rows={len(rows):2d} transformers ms: "
+            + " ".join(f"{m}/{d[:4]} {t:8.1f}" for (m, d), t in t_ref.items())
+            + f" | fastest {'/'.join(fastest)}"
+        )
         for d in dtypes:
             ours = colds[d].executor.read([(plan.prefix_ids, rows)], [lev_jax.readout.Usage()])[0]
             diff = max(float(np.abs(a - b.float().numpy()).max()) for a, b in zip(ours, theirs))
@@ -159,20 +183,24 @@ def main(argv=None):
             same = min(((m, d) for m in ("naive", "fork", "batch")), key=t_ref.get)
             gflops = device_flops(engines[d], plan) / (t_pred / 1e3) / 1e9
             cold_ms[d][n] = t_pred
-            print(f"      predict {d:8s} cold {t_pred:8.1f} warm {t_warm:8.1f} ms | vs fastest overall "
-                  f"({'/'.join(fastest)}): cold {t_ref[fastest] / t_pred:5.2f}x warm {t_ref[fastest] / t_warm:5.2f}x"
-                  f" | vs fastest {d} ({same[0]}): {t_ref[same] / t_pred:5.2f}x | {gflops:6.1f} GFLOP/s (padded) |"
-                  f" max |dlogit| vs transformers {dtypes[0]} {diff:.1e}", flush=True)
+            print(
+                f"      predict {d:8s} cold {t_pred:8.1f} warm {t_warm:8.1f} ms | vs fastest overall "
+                f"({'/'.join(fastest)}): cold {t_ref[fastest] / t_pred:5.2f}x warm {t_ref[fastest] / t_warm:5.2f}x"
+                f" | vs fastest {d} ({same[0]}): {t_ref[same] / t_pred:5.2f}x | {gflops:6.1f} GFLOP/s (padded) |"
+                f" max |dlogit| vs transformers {dtypes[0]} {diff:.1e}",
+                flush=True,
+            )
     ceiling = {d: max(matmul_ceiling([(512, 576, 1536), (2048, 2048, 2048)], 5, dtype=d).values()) for d in dtypes}
-    print("matmul ceiling measured in this run: "
-          + ", ".join(f"{d} {c:.1f} GFLOP/s" for d, c in ceiling.items()))
+    print("matmul ceiling measured in this run: " + ", ".join(f"{d} {c:.1f} GFLOP/s" for d, c in ceiling.items()))
     for d, by_n in cold_ms.items():
         if 1 in by_n and max(by_n) > 1:
             n_max = max(by_n)
             per_q = (by_n[n_max] - by_n[1]) / (n_max - 1)
             state_ms = by_n[1] - per_q
-            print(f"{d}: marginal question cost {per_q:.1f} ms; state (N=1 minus one question) {state_ms:.1f} ms; "
-                  f"ratio {per_q / state_ms:.3f} (target <= 0.2)")
+            print(
+                f"{d}: marginal question cost {per_q:.1f} ms; state (N=1 minus one question) {state_ms:.1f} ms; "
+                f"ratio {per_q / state_ms:.3f} (target <= 0.2)"
+            )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
 Same batch, same rows, same LoRA, same dtype, measured in the same run (best of --repeats after a
 warm-up step); prints both rates and their ratio. The logic is lev_jax/training/bench.py.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,15 @@ def main(argv=None):
     setup_runtime()
     from lev_jax.training import bench
 
-    result = bench.run(examples=args.examples, rank=args.rank, alpha=args.alpha, dtype=args.dtype,
-                       remat=args.remat, repeats=args.repeats, threads=args.threads)
+    result = bench.run(
+        examples=args.examples,
+        rank=args.rank,
+        alpha=args.alpha,
+        dtype=args.dtype,
+        remat=args.remat,
+        repeats=args.repeats,
+        threads=args.threads,
+    )
     if args.json:
         print(json.dumps(result))
 

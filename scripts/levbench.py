@@ -1,4 +1,5 @@
 """``python -m scripts.levbench export | eval | fit | sweep`` - see lev_jax/bench/cli.py and EVAL.md."""
+
 import sys
 
 from lev_jax.bench.cli import main

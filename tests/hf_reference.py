@@ -1,4 +1,5 @@
 """Tiny random reference models built with transformers (PyTorch CPU) and saved offline."""
+
 from __future__ import annotations
 
 import torch
@@ -8,30 +9,68 @@ from lev_jax.bench.torch_reference import transformers_gguf_model  # noqa: F401 
 
 QWEN3_5_TINY = {
     # mixed layer types, GQA (4 query heads over 2 KV heads), value heads > key heads in DeltaNet
-    "mixed-gqa": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
-                      linear_num_key_heads=2, linear_num_value_heads=4, tie_word_embeddings=False,
-                      layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"]),
+    "mixed-gqa": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        tie_word_embeddings=False,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    ),
     # tied head, MHA attention, attention first
-    "tied-mha": dict(hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=3,
-                     num_key_value_heads=3, head_dim=16, linear_key_head_dim=8, linear_value_head_dim=12,
-                     linear_num_key_heads=3, linear_num_value_heads=3, tie_word_embeddings=True,
-                     layer_types=["full_attention", "linear_attention", "linear_attention"]),
+    "tied-mha": dict(
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=3,
+        num_key_value_heads=3,
+        head_dim=16,
+        linear_key_head_dim=8,
+        linear_value_head_dim=12,
+        linear_num_key_heads=3,
+        linear_num_value_heads=3,
+        tie_word_embeddings=True,
+        layer_types=["full_attention", "linear_attention", "linear_attention"],
+    ),
     # the default 3:1 interval, wider heads
-    "interval": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=2,
-                     num_key_value_heads=1, head_dim=32, linear_key_head_dim=16, linear_value_head_dim=32,
-                     linear_num_key_heads=2, linear_num_value_heads=2, tie_word_embeddings=False),
+    "interval": dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        linear_key_head_dim=16,
+        linear_value_head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        tie_word_embeddings=False,
+    ),
 }
 VOCAB = 160
 
 
 def qwen3_5_text_config(name: str) -> transformers.Qwen3_5TextConfig:
     kw = dict(QWEN3_5_TINY[name])
-    return transformers.Qwen3_5TextConfig(vocab_size=VOCAB, rms_norm_eps=1e-6, max_position_embeddings=512,
-                                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                           "partial_rotary_factor": 0.25,
-                                                           "mrope_section": [2, 1, 1], "mrope_interleaved": True},
-                                          **kw)
+    return transformers.Qwen3_5TextConfig(
+        vocab_size=VOCAB,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=512,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        },
+        **kw,
+    )
 
 
 def _randomise(model, seed: int):
@@ -62,11 +101,19 @@ def save_qwen3_5(name: str, out_dir, seed: int = 0):
 def save_qwen3_5_vl(name: str, out_dir, seed: int = 0):
     """The VL layout: the text model nested under model.language_model.* beside a vision tower."""
     text = qwen3_5_text_config(name)
-    vision = transformers.Qwen3_5VisionConfig(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
-                                              out_hidden_size=text.hidden_size, patch_size=4,
-                                              temporal_patch_size=2, spatial_merge_size=2)
-    cfg = transformers.Qwen3_5Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
-                                     tie_word_embeddings=text.tie_word_embeddings)
+    vision = transformers.Qwen3_5VisionConfig(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=text.hidden_size,
+        patch_size=4,
+        temporal_patch_size=2,
+        spatial_merge_size=2,
+    )
+    cfg = transformers.Qwen3_5Config(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), tie_word_embeddings=text.tie_word_embeddings
+    )
     torch.manual_seed(seed)
     model = transformers.Qwen3_5ForConditionalGeneration(cfg).eval()
     _randomise(model, seed)
@@ -96,9 +143,18 @@ LLAMA_TINY = {
 
 def save_llama_family(kind: str, out_dir, seed: int = 0):
     cfg_cls, model_cls, extra = LLAMA_TINY[kind]
-    cfg = getattr(transformers, cfg_cls)(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                         rms_norm_eps=1e-5, tie_word_embeddings=(kind == "qwen2"), **extra)
+    cfg = getattr(transformers, cfg_cls)(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=(kind == "qwen2"),
+        **extra,
+    )
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(cfg).eval()
     _randomise(model, seed)

@@ -1,5 +1,6 @@
 """layers.attend: the anchored softmax (a shared cache's stabiliser taken from the row's own tokens)
 is the exact softmax wherever it can serve, and fails loudly (NaN) where it cannot."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,7 +30,9 @@ def _attend(args, anchored, scale=D**-0.5):
 
 def _dense_reference(args, scale=D**-0.5):
     """Plain softmax attention over [cache slots, new tokens] per row, in float64."""
-    q, k, v, valid, ck, cv, cache_valid = (np.asarray(a, np.float64) if a.dtype != bool else np.asarray(a) for a in args)
+    q, k, v, valid, ck, cv, cache_valid = (
+        np.asarray(a, np.float64) if a.dtype != bool else np.asarray(a) for a in args
+    )
     G = H // K
     out = np.zeros((B, T, H, D))
     for b in range(B):

@@ -11,8 +11,8 @@ from lev_jax import calibrate as C
 from lev_jax import metrics as M
 from lev_jax.domain import band_of
 
-DATE1 = dt.datetime(2025, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
-DATE2 = dt.datetime(2025, 2, 3, 4, 5, 6, tzinfo=dt.timezone.utc)
+DATE1 = dt.datetime(2025, 1, 2, 3, 4, 5, tzinfo=dt.UTC)
+DATE2 = dt.datetime(2025, 2, 3, 4, 5, 6, tzinfo=dt.UTC)
 
 
 def choice_rows(rng, n, t_true, k=4, families=("f0", "f1", "f2", "f3"), scale=1.5, mode="letter"):
@@ -20,17 +20,16 @@ def choice_rows(rng, n, t_true, k=4, families=("f0", "f1", "f2", "f3"), scale=1.
     z = rng.normal(0.0, scale, size=(n, k))
     p = C.softmax(z)
     gold = [int(rng.choice(k, p=pi)) for pi in p]
-    return [
-        C.CalibrationRow(z[i] * t_true, gold[i], "choice", mode, families[i % len(families)], k)
-        for i in range(n)
-    ]
+    return [C.CalibrationRow(z[i] * t_true, gold[i], "choice", mode, families[i % len(families)], k) for i in range(n)]
 
 
 def binary_rows(rng, n, t_true, families=("a", "b", "c")):
     z = rng.normal(0.0, 2.0, size=n)
     y = rng.random(n) < 1.0 / (1.0 + np.exp(-z))
     return [
-        C.CalibrationRow([t_true * z[i] / 2, -t_true * z[i] / 2], bool(y[i]), "noul", "binary", families[i % len(families)])
+        C.CalibrationRow(
+            [t_true * z[i] / 2, -t_true * z[i] / 2], bool(y[i]), "noul", "binary", families[i % len(families)]
+        )
         for i in range(n)
     ]
 
@@ -50,8 +49,19 @@ def test_option_bands():
 
 @pytest.mark.parametrize(
     "name",
-    ["test", "banking77-test", "clinc_eval", "holdout-2", "TestSet", "BankingTest", "mix.heldout", "held_out",
-     "test2", "evaluation", "MMLU eval split"],
+    [
+        "test",
+        "banking77-test",
+        "clinc_eval",
+        "holdout-2",
+        "TestSet",
+        "BankingTest",
+        "mix.heldout",
+        "held_out",
+        "test2",
+        "evaluation",
+        "MMLU eval split",
+    ],
 )
 def test_forbidden_split_names(name):
     assert C.forbidden_split_reason(name) is not None
@@ -60,8 +70,18 @@ def test_forbidden_split_names(name):
 
 
 @pytest.mark.parametrize(
-    "name", ["banking77-train", "clinc150-val", "validation", "calibration", "mix-calib", "contest", "attestation",
-             "medieval", "dev"],
+    "name",
+    [
+        "banking77-train",
+        "clinc150-val",
+        "validation",
+        "calibration",
+        "mix-calib",
+        "contest",
+        "attestation",
+        "medieval",
+        "dev",
+    ],
 )
 def test_allowed_split_names(name):
     assert C.forbidden_split_reason(name) is None
@@ -123,11 +143,21 @@ def test_row_validation():
 
 def profile_doc():
     def b(qtype, mode, band, t, status="fitted"):
-        return {"key": C.bucket_key(qtype, mode, band), "qtype": qtype, "mode": mode, "band": band,
-                "temperature": t, "status": status, "n_rows": 100}
+        return {
+            "key": C.bucket_key(qtype, mode, band),
+            "qtype": qtype,
+            "mode": mode,
+            "band": band,
+            "temperature": t,
+            "status": status,
+            "n_rows": 100,
+        }
 
     return {
-        "format": C.FORMAT, "version": C.FORMAT_VERSION, "model_id": "m", "fit_date": "2025-01-02T03:04:05Z",
+        "format": C.FORMAT,
+        "version": C.FORMAT_VERSION,
+        "model_id": "m",
+        "fit_date": "2025-01-02T03:04:05Z",
         "buckets": [
             b("choice", "letter", None, 1.5),
             b("choice", "letter", "small", 2.0),
@@ -202,8 +232,11 @@ def test_fitted_nll_matches_per_row_readout():
     for i in range(80):
         k = int(rng.integers(2, 7))
         n_ord = int(rng.integers(1, 4))
-        rows.append(C.CalibrationRow([rng.normal(0, 3, k) for _ in range(n_ord)], int(rng.integers(k)),
-                                     "choice", "letter", f"f{i % 3}"))
+        rows.append(
+            C.CalibrationRow(
+                [rng.normal(0, 3, k) for _ in range(n_ord)], int(rng.integers(k)), "choice", "letter", f"f{i % 3}"
+            )
+        )
         rows.append(C.CalibrationRow(rng.normal(0, 3, 9), bool(rng.random() < 0.5), "noul", "rating", f"f{i % 3}"))
     cal = C.fit(rows, splits=["calib"], model_id="m")
     for key, qtype, mode in (("choice/letter/small", "choice", "letter"), ("noul/rating", "noul", "rating")):

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lev_jax.data.build import (BuildConfig, CoverageError, assemble, check_coverage, export_eval, read_split,
-                                write)
+from lev_jax.data.build import BuildConfig, CoverageError, assemble, check_coverage, export_eval, read_split, write
 from lev_jax.data.cli import main
 from lev_jax.data.guard import default_eval_data_dir
 from lev_jax.data.lengths import length_text, qwen_encode
@@ -23,8 +22,9 @@ from lev_jax.data.testing import write_rotten_tomatoes_wheel
 
 REPO = Path(__file__).resolve().parents[1]
 EVAL = default_eval_data_dir()
-pytestmark = pytest.mark.skipif(not (EVAL / "banking77-train.csv").is_file(),
-                                reason=f"shared eval-data not found at {EVAL} (set LEV_EVAL_DATA)")
+pytestmark = pytest.mark.skipif(
+    not (EVAL / "banking77-train.csv").is_file(), reason=f"shared eval-data not found at {EVAL} (set LEV_EVAL_DATA)"
+)
 SOURCES = ["banking77", "clinc_oos", "rotten_tomatoes"]
 LIMIT = 2500
 
@@ -36,8 +36,9 @@ def wheel(tmp_path_factory):
 
 def _assemble(wheel, **cfg):
     local = {"rotten_tomatoes": local_from_arg(get_spec("rotten_tomatoes"), str(wheel))}
-    return assemble(SOURCES, cfg=BuildConfig(limit_per_source=LIMIT, **cfg), local=local, use_hub=False,
-                    eval_data_dir=EVAL)
+    return assemble(
+        SOURCES, cfg=BuildConfig(limit_per_source=LIMIT, **cfg), local=local, use_hub=False, eval_data_dir=EVAL
+    )
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +136,7 @@ def test_small_taxonomy_subsampling_keeps_gold_and_relabels_mcq():
     for i in range(300):
         q = make_question(spec, ex, "train", HashRng("mcq", i))
         crit = q["question"]["criteria"]
-        assert list(crit) == list(LETTERS[:len(crit)])
+        assert list(crit) == list(LETTERS[: len(crit)])
         assert crit[q["target"]] == "y"
         sizes[len(crit)] += 1
     assert set(sizes) == {2, 3, 4}
@@ -205,21 +206,33 @@ def test_n_examples_and_repeats(wheel):
 
 def test_coverage_catches_an_undersampled_taxonomy():
     with pytest.raises(CoverageError, match="banking77: .* never observed"):
-        assemble(["banking77"], cfg=BuildConfig(limit_per_source=60, tokenizer="chars"), use_hub=False,
-                 eval_data_dir=EVAL)
-    row = lambda split, label: {"source": "rotten_tomatoes", "label": label, "abstain": False,  # noqa: E731
-                                "band": "small", "n_options": 2}
+        assemble(
+            ["banking77"], cfg=BuildConfig(limit_per_source=60, tokenizer="chars"), use_hub=False, eval_data_dir=EVAL
+        )
+    row = lambda split, label: {
+        "source": "rotten_tomatoes",
+        "label": label,
+        "abstain": False,  # noqa: E731
+        "band": "small",
+        "n_options": 2,
+    }
     with pytest.raises(CoverageError, match="observed but not in train"):
-        check_coverage({"train": [row("train", True)], "calibration": [], "test": [row("test", False)]},
-                       ["rotten_tomatoes"])
-    check_coverage({"train": [row("train", True), row("train", False)], "calibration": [], "test": []},
-                   ["rotten_tomatoes"])  # Noul is exempt from the offered-label check
+        check_coverage(
+            {"train": [row("train", True)], "calibration": [], "test": [row("test", False)]}, ["rotten_tomatoes"]
+        )
+    check_coverage(
+        {"train": [row("train", True), row("train", False)], "calibration": [], "test": []}, ["rotten_tomatoes"]
+    )  # Noul is exempt from the offered-label check
 
 
 def test_unavailable_sources_are_skipped_or_required(wheel):
-    res = assemble(["rotten_tomatoes", "imdb"], cfg=BuildConfig(limit_per_source=300, tokenizer="chars"),
-                   local={"rotten_tomatoes": local_from_arg(get_spec("rotten_tomatoes"), str(wheel))},
-                   use_hub=False, eval_data_dir=EVAL)
+    res = assemble(
+        ["rotten_tomatoes", "imdb"],
+        cfg=BuildConfig(limit_per_source=300, tokenizer="chars"),
+        local={"rotten_tomatoes": local_from_arg(get_spec("rotten_tomatoes"), str(wheel))},
+        use_hub=False,
+        eval_data_dir=EVAL,
+    )
     assert "imdb" in res.skipped and "--offline" in res.skipped["imdb"]
     with pytest.raises(SourceUnavailable, match="imdb"):
         assemble(["imdb"], require=["imdb"], use_hub=False, eval_data_dir=EVAL)
@@ -251,9 +264,21 @@ def test_files_manifest_and_length_stats(built):
 def test_byte_identical_rebuild_in_another_process(built, wheel, tmp_path):
     _, out = built
     env = dict(os.environ, PYTHONHASHSEED="4242", LEV_EVAL_DATA=str(EVAL))
-    cmd = [sys.executable, "-m", "data", "build", "--out", str(tmp_path / "again"), "--offline",
-           "--sources", ",".join(SOURCES), "--limit-per-source", str(LIMIT),
-           "--local", f"rotten_tomatoes={wheel}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "data",
+        "build",
+        "--out",
+        str(tmp_path / "again"),
+        "--offline",
+        "--sources",
+        ",".join(SOURCES),
+        "--limit-per-source",
+        str(LIMIT),
+        "--local",
+        f"rotten_tomatoes={wheel}",
+    ]
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "train:" in r.stdout

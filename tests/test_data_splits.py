@@ -41,7 +41,7 @@ def test_split_and_rng_do_not_depend_on_the_process_hash_seed():
     code = f"from lev_jax.data.splits import assign_split, HashRng; print(repr({expr}))"
     env = dict(os.environ, PYTHONHASHSEED="12345")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True)
-    here = ([assign_split("s", i, "x%d" % i) for i in range(50)], HashRng("k", 1).sample(list(range(30)), 5))
+    here = ([assign_split("s", i, f"x{i}") for i in range(50)], HashRng("k", 1).sample(list(range(30)), 5))
     assert out.stdout.strip() == repr(here)
 
 

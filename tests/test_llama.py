@@ -1,5 +1,6 @@
 """Llama-family backbones: the embedded SmolLM2 against transformers' GGUF load, and tiny random
 Llama / Qwen2 / Qwen3 checkpoints against transformers."""
+
 import numpy as np
 import pytest
 
@@ -30,8 +31,14 @@ def reference():
 
 def test_embedded_default_is_smollm2(smollm2):
     cfg = smollm2.config
-    assert (cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
-            cfg.num_key_value_heads, cfg.vocab_size) == ("llama", 30, 576, 9, 3, 49152)
+    assert (
+        cfg.model_type,
+        cfg.num_hidden_layers,
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.vocab_size,
+    ) == ("llama", 30, 576, 9, 3, 49152)
     assert smollm2.tokenizer is not None and smollm2.tokenizer.chat_template
 
 

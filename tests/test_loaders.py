@@ -1,4 +1,5 @@
 """Safetensors loader: sharded checkpoints, dtype casting and errors that name what is wrong."""
+
 import json
 import shutil
 

@@ -115,9 +115,12 @@ def test_position_bias_rstd():
     # Two items, each shown with the gold at positions 0, 1, 2 (gold = position).
     # The model favours position 0: recall pos0 = 2/2, pos1 = 1/2, pos2 = 0/2.
     rows = [
-        [0.8, 0.1, 0.1], [0.6, 0.2, 0.2],  # gold 0: both right
-        [0.3, 0.6, 0.1], [0.5, 0.4, 0.1],  # gold 1: one right
-        [0.5, 0.2, 0.3], [0.4, 0.4, 0.2],  # gold 2: none right
+        [0.8, 0.1, 0.1],
+        [0.6, 0.2, 0.2],  # gold 0: both right
+        [0.3, 0.6, 0.1],
+        [0.5, 0.4, 0.1],  # gold 1: one right
+        [0.5, 0.2, 0.3],
+        [0.4, 0.4, 0.2],  # gold 2: none right
     ]
     gold = [0, 0, 1, 1, 2, 2]
     assert M.per_position_recall(rows, gold) == {0: 1.0, 1: 0.5, 2: 0.0}

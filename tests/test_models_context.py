@@ -1,6 +1,7 @@
 """models.forward's call contract: CacheWrite modes, per-layer rematerialisation, and gradients
 through a prefix cache (what training relies on), on tiny random Llama and Qwen3.5 (DeltaNet +
 attention) models."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -104,6 +105,7 @@ def test_unknown_remat_or_cache_write_is_a_value_error(tiny):
 
 # -- gradients through a prefix cache ---------------------------------------------------------------
 
+
 def test_gradient_through_a_prefix_cache_equals_independent_full_sequences(tiny):
     """Rows continuing a prefix computed in the same function (prefix APPENDed once into an empty
     cache, rows read it with NONE) give the gradient of running every row as its own sequence."""
@@ -117,8 +119,9 @@ def test_gradient_through_a_prefix_cache_equals_independent_full_sequences(tiny)
 
     def loss_cached(p):
         _, cache = models.forward(p, prefix_1P, models.init_cache(cfg, 1, P), cfg, cache_write=CW.APPEND)
-        hidden, none = models.forward(p, rows_BT, cache, cfg, valid_BT=valid_BT, readout_BR=readout_BR,
-                                      cache_write=CW.NONE)
+        hidden, none = models.forward(
+            p, rows_BT, cache, cfg, valid_BT=valid_BT, readout_BR=readout_BR, cache_write=CW.NONE
+        )
         assert none is None
         return _nll(p, hidden, targets_BR, cfg)
 
@@ -136,6 +139,7 @@ def test_gradient_through_a_prefix_cache_equals_independent_full_sequences(tiny)
 
 
 # -- CacheWrite modes --------------------------------------------------------------------------------
+
 
 def test_cache_write_modes_continue_a_prefix_like_the_full_sequence(tiny):
     cfg, params = tiny
@@ -168,8 +172,15 @@ def test_cache_write_modes_continue_a_prefix_like_the_full_sequence(tiny):
     picks, lengths = [1, 0, 1], [4, 3, 1]
     tails_BT, tvalid_BT = _rows(rng, lengths)
     readout_BR = jnp.asarray([[n - 1] for n in lengths], jnp.int32)
-    hidden, none = fwd(params, tails_BT, cache_lib.select_rows(seg, jnp.asarray(picks)), cfg, valid_BT=tvalid_BT,
-                       readout_BR=readout_BR, cache_write=CW.NONE)
+    hidden, none = fwd(
+        params,
+        tails_BT,
+        cache_lib.select_rows(seg, jnp.asarray(picks)),
+        cfg,
+        valid_BT=tvalid_BT,
+        readout_BR=readout_BR,
+        cache_write=CW.NONE,
+    )
     assert none is None
     for i, (h, n) in enumerate(zip(picks, lengths)):
         want = full(prefix_1P[0], headers_BT[h, : int(hvalid_BT[h].sum())], tails_BT[i, :n])

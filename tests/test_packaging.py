@@ -1,5 +1,6 @@
 """Packaging: no import circle in lev_jax, a wheel holding only lev_jax, the `lev` console script, and the
 repository-root entry points (`python -m serve|data`) still working."""
+
 from __future__ import annotations
 
 import ast
@@ -144,15 +145,21 @@ def test_every_module_imports_first_in_a_fresh_process():
     """Each lev_jax module imported as the first of the package (third-party modules stay loaded, so
     this takes seconds): an import-time circle fails whichever module is entered first."""
     names = sorted(_module_files())
-    run = subprocess.run([sys.executable, "-c", _IMPORT_EACH_FIRST, json.dumps(names)], cwd=REPO,
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-c", _IMPORT_EACH_FIRST, json.dumps(names)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     failed = json.loads(run.stdout.strip().splitlines()[-1])
     # A re-import can fail for its own reasons (a process-wide registry); only a failure that a
     # process of its own reproduces counts.
     for name in list(failed):
-        alone = subprocess.run([sys.executable, "-c", f"import {name}"], cwd=REPO, capture_output=True,
-                               text=True, timeout=300)
+        alone = subprocess.run(
+            [sys.executable, "-c", f"import {name}"], cwd=REPO, capture_output=True, text=True, timeout=300
+        )
         if alone.returncode == 0:
             del failed[name]
     assert failed == {}
@@ -206,9 +213,11 @@ def test_lev_keeps_a_missing_dependency_traceback(tmp_path, monkeypatch):
 
 def test_entry_points_work_from_the_root_and_lev_from_anywhere(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    for cmd, cwd, expect in ((["-m", "serve", "--help"], REPO, "--port"),
-                             (["-m", "data", "--help"], REPO, "build"),
-                             (["-m", "lev_jax.cli", "--help"], tmp_path, "bench")):
+    for cmd, cwd, expect in (
+        (["-m", "serve", "--help"], REPO, "--port"),
+        (["-m", "data", "--help"], REPO, "build"),
+        (["-m", "lev_jax.cli", "--help"], tmp_path, "bench"),
+    ):
         run = subprocess.run([sys.executable, *cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
         assert run.returncode == 0 and expect in run.stdout, (cmd, run.stderr[-2000:])
 
@@ -229,9 +238,24 @@ def test_wheel_holds_only_lev_jax(tmp_path):
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
     for name in ("lev_jax", "serve", "data", "train", "scripts"):  # the folders that must stay out
         shutil.copytree(REPO / name, src / name, ignore=ignore)
-    run = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-                          "-q", "-w", str(tmp_path / "dist"), str(src)],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if run.returncode != 0:
         pytest.skip(f"cannot build the wheel here: {run.stderr.strip().splitlines()[-1:]}")
     (wheel,) = (tmp_path / "dist").glob("lev_jax-*.whl")
@@ -246,8 +270,11 @@ def test_wheel_holds_only_lev_jax(tmp_path):
     profiles = [n for n in names if n.startswith("lev_jax/profiles/")]
     assert any(n.endswith("/calibration.json") for n in profiles), profiles
     assert "lev = lev_jax.cli:main" in entry_points and "levbench = lev_jax.bench.cli:main" in entry_points
-    core = [line.split(":", 1)[1].strip() for line in metadata.splitlines()
-            if line.startswith("Requires-Dist:") and "extra ==" not in line]
+    core = [
+        line.split(":", 1)[1].strip()
+        for line in metadata.splitlines()
+        if line.startswith("Requires-Dist:") and "extra ==" not in line
+    ]
     for test_only in ("pytest", "torch", "transformers", "matplotlib", "datasets", "ruff"):
         assert not any(dep.startswith(test_only) for dep in core), (test_only, core)
     assert any(dep.startswith("prometheus-client") for dep in core), core

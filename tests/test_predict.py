@@ -1,4 +1,5 @@
 """predict(): equivalence with independent full forwards, invariance, bounded compilation, every type."""
+
 import math
 
 import numpy as np
@@ -9,19 +10,36 @@ from lev_jax import RequestError, TokenLimitError, buckets
 from lev_jax.readout import compose
 from lev_jax.testing import tiny_backbone
 
-STATE = {"customer": "Ann Lee", "message": "My parcel never arrived and I was charged twice. Fix it now!",
-         "history": [{"date": "2026-11-30", "note": "asked for tracking"}], "vip": True}
+STATE = {
+    "customer": "Ann Lee",
+    "message": "My parcel never arrived and I was charged twice. Fix it now!",
+    "history": [{"date": "2026-11-30", "note": "asked for tracking"}],
+    "vip": True,
+}
 
 
 def _questions():
     return {
-        "intent": {"type": "choice", "instructions": "What does the customer want?",
-                   "criteria": {"refund": "money back", "delivery": "a late or missing parcel",
-                                "billing": {"examples": ["double charge"], "team": "finance"}, "other": None}},
-        "urgency": {"type": "score", "instructions": "How urgent is this ticket?",
-                    "criteria": ["not urgent", "somewhat urgent", "urgent", "critical"]},
-        "angry": {"type": "noul", "instructions": "Is the customer angry?",
-                  "criteria": {"true": "insults, threats, exclamation", "false": "calm"}},
+        "intent": {
+            "type": "choice",
+            "instructions": "What does the customer want?",
+            "criteria": {
+                "refund": "money back",
+                "delivery": "a late or missing parcel",
+                "billing": {"examples": ["double charge"], "team": "finance"},
+                "other": None,
+            },
+        },
+        "urgency": {
+            "type": "score",
+            "instructions": "How urgent is this ticket?",
+            "criteria": ["not urgent", "somewhat urgent", "urgent", "critical"],
+        },
+        "angry": {
+            "type": "noul",
+            "instructions": "Is the customer angry?",
+            "criteria": {"true": "insults, threats, exclamation", "false": "calm"},
+        },
         "vip": {"type": "noul", "instructions": "Is this a VIP customer?"},
     }
 
@@ -29,8 +47,11 @@ def _questions():
 def _many_questions(n):
     """n variants of every question in _questions(): enough shared question headers (the text before
     the options, common to both option orders) that the engine computes them as cache segments."""
-    return {f"{k}{i}": {**v, "instructions": f"{v['instructions']} (variant {i})"}
-            for i in range(n) for k, v in _questions().items()}
+    return {
+        f"{k}{i}": {**v, "instructions": f"{v['instructions']} (variant {i})"}
+        for i in range(n)
+        for k, v in _questions().items()
+    }
 
 
 def _assert_close(a, b, tol=1e-5):
@@ -83,8 +104,10 @@ def test_equals_reference_on_the_embedded_model(embedded):
     assert any(k[0] == "segment" for k in engine.programs(STATE, many))
     _assert_close(engine.predict(STATE, many), engine.predict(STATE, many, reference=True))
     rating = lev_jax.Engine(engine.backbone, noul_readout="rating", prompt_style="plain")
-    _assert_close(rating.predict("The sky is green.", {"true": qs["vip"]}),
-                  rating.predict("The sky is green.", {"true": qs["vip"]}, reference=True))
+    _assert_close(
+        rating.predict("The sky is green.", {"true": qs["vip"]}),
+        rating.predict("The sky is green.", {"true": qs["vip"]}, reference=True),
+    )
     # bf16 weights (matmuls at the bf16 rate, fp32 accumulation and residual stream): the shared-prefix
     # path agrees with bf16 independent forwards up to bf16 rounding, and with fp32 within ~1 point
     bf16 = lev_jax.load(calibration=None, dtype="bfloat16")
@@ -102,7 +125,9 @@ def test_bfloat16_engine_equals_its_reference(family):
     _assert_close(fast, engine.predict(STATE, _questions(), reference=True), tol=5e-3)
 
 
-@pytest.mark.parametrize("layout,style", [("schema_first", "chat"), ("state_first", "plain"), ("schema_first", "plain")])
+@pytest.mark.parametrize(
+    "layout,style", [("schema_first", "chat"), ("state_first", "plain"), ("schema_first", "plain")]
+)
 def test_other_layouts_and_styles(tiny, layout, style):
     engine = lev_jax.Engine(tiny.backbone, layout=layout, prompt_style=style, noul_readout="rating")
     fast = engine.predict(STATE, _questions())
@@ -116,8 +141,13 @@ def test_answer_is_invariant_to_other_questions(tiny):
     together = tiny.predict(STATE, qs)
     reordered = tiny.predict(STATE, dict(reversed(list(qs.items()))))
     renamed = tiny.predict(STATE, {f"q{i}": q for i, q in enumerate(qs.values())})
-    extra = tiny.predict(STATE, {**qs, "more": {"type": "choice", "instructions": "Language?",
-                                               "criteria": {f"lang{i}": None for i in range(30)}}})
+    extra = tiny.predict(
+        STATE,
+        {
+            **qs,
+            "more": {"type": "choice", "instructions": "Language?", "criteria": {f"lang{i}": None for i in range(30)}},
+        },
+    )
     for i, k in enumerate(qs):
         for other in (together[k], reordered[k], renamed[f"q{i}"], extra[k]):
             _assert_close({k: alone[k]}, {k: other})
@@ -129,9 +159,14 @@ def test_no_recompilation_in_steady_state(tiny):
 
     def request():
         state = " ".join(rng.choice(words, int(rng.integers(40, 120))))
-        qs = {f"q{i}": {"type": "choice", "instructions": f"Topic {i}?",
-                        "criteria": {w: None for w in rng.choice(words, int(rng.integers(2, 6)), replace=False)}}
-              for i in range(int(rng.integers(1, 5)))}
+        qs = {
+            f"q{i}": {
+                "type": "choice",
+                "instructions": f"Topic {i}?",
+                "criteria": {w: None for w in rng.choice(words, int(rng.integers(2, 6)), replace=False)},
+            }
+            for i in range(int(rng.integers(1, 5)))
+        }
         return state, qs
 
     warm = [request() for _ in range(60)]  # the traffic that defines the bucket set
@@ -175,11 +210,22 @@ def test_score_levels(tiny, levels):
     assert ans["score"] == pytest.approx(float((np.arange(levels) * p).sum()))
     mode = int(np.argmax(p))
     spread = np.abs(np.arange(levels) - (levels - 1) / 2).mean()
-    assert ans["confidence"] == pytest.approx(max(0.0, 1 - float((p * np.abs(np.arange(levels) - mode)).sum()) / spread))
+    assert ans["confidence"] == pytest.approx(
+        max(0.0, 1 - float((p * np.abs(np.arange(levels) - mode)).sum()) / spread)
+    )
 
 
-@pytest.mark.parametrize("criteria", [None, {"true": "it is"}, {"false": "it is not"}, {"true": "a", "false": "b"},
-                                      {"yes": "a", "no": "b"}, {"true": {"k": ["structured"]}, "false": None}])
+@pytest.mark.parametrize(
+    "criteria",
+    [
+        None,
+        {"true": "it is"},
+        {"false": "it is not"},
+        {"true": "a", "false": "b"},
+        {"yes": "a", "no": "b"},
+        {"true": {"k": ["structured"]}, "false": None},
+    ],
+)
 def test_noul_criteria_forms(tiny, criteria):
     q = {"type": "noul", "instructions": "Is it raining?"}
     if criteria is not None:
@@ -190,8 +236,10 @@ def test_noul_criteria_forms(tiny, criteria):
 
 def test_unicode_option_names_round_trip(tiny):
     names = ["café ☕", "naïve", "日本語", "emoji 🚀", "Ωmega", "ü-umlaut", "x\ny"]
-    ans = tiny.predict({"städte": ["Zürich", "Kraków"]},
-                       {"ü": {"type": "choice", "instructions": "Wähle", "criteria": {n: None for n in names}}})
+    ans = tiny.predict(
+        {"städte": ["Zürich", "Kraków"]},
+        {"ü": {"type": "choice", "instructions": "Wähle", "criteria": {n: None for n in names}}},
+    )
     assert list(ans["ü"]["probabilities"]) == names and ans["ü"]["choice"] in names
 
 
@@ -200,25 +248,30 @@ def test_token_limits_are_checked_before_any_work(tiny):
     huge_state = "word " * 33000
     with pytest.raises(TokenLimitError, match="state \\+ longest question"):
         tiny.predict(huge_state, {"n": {"type": "noul", "instructions": "?"}})
-    many = {f"q{i}": {"type": "choice", "instructions": "pick " * 300, "criteria": {"a": None, "b": None}}
-            for i in range(110)}
+    many = {
+        f"q{i}": {"type": "choice", "instructions": "pick " * 300, "criteria": {"a": None, "b": None}}
+        for i in range(110)
+    }
     with pytest.raises(TokenLimitError, match="the request is"):
         tiny.predict("short", many)
     assert tiny.compiled_programs == before
 
 
-@pytest.mark.parametrize("questions,message", [
-    ({}, "non-empty"),
-    ({"b": {"type": "box", "instructions": "find the cat"}}, "cannot locate boxes"),
-    ({"x": {"type": "rank", "instructions": ""}}, "unknown type"),
-    ({"c": {"type": "choice", "instructions": "", "criteria": {"only": None}}}, "2-255"),
-    ({"c": {"type": "choice", "instructions": "", "criteria": {str(i): None for i in range(256)}}}, "2-255"),
-    ({"s": {"type": "score", "instructions": "", "criteria": {"low": 0, "high": 1}}}, "list of 2-10"),
-    ({"s": {"type": "score", "instructions": "", "criteria": [str(i) for i in range(11)]}}, "list of 2-10"),
-    ({"n": {"type": "noul", "instructions": "", "criteria": {"maybe": "x"}}}, "'true' and/or 'false'"),
-    ({"n": {"type": "noul", "instructions": "", "criteria": {"yes": "x", "true": "y"}}}, "'true' and/or 'false'"),
-    ({"n": {"type": "noul", "instructions": 5}}, "instructions must be a string, an object or an array"),
-])
+@pytest.mark.parametrize(
+    "questions,message",
+    [
+        ({}, "non-empty"),
+        ({"b": {"type": "box", "instructions": "find the cat"}}, "cannot locate boxes"),
+        ({"x": {"type": "rank", "instructions": ""}}, "unknown type"),
+        ({"c": {"type": "choice", "instructions": "", "criteria": {"only": None}}}, "2-255"),
+        ({"c": {"type": "choice", "instructions": "", "criteria": {str(i): None for i in range(256)}}}, "2-255"),
+        ({"s": {"type": "score", "instructions": "", "criteria": {"low": 0, "high": 1}}}, "list of 2-10"),
+        ({"s": {"type": "score", "instructions": "", "criteria": [str(i) for i in range(11)]}}, "list of 2-10"),
+        ({"n": {"type": "noul", "instructions": "", "criteria": {"maybe": "x"}}}, "'true' and/or 'false'"),
+        ({"n": {"type": "noul", "instructions": "", "criteria": {"yes": "x", "true": "y"}}}, "'true' and/or 'false'"),
+        ({"n": {"type": "noul", "instructions": 5}}, "instructions must be a string, an object or an array"),
+    ],
+)
 def test_bad_questions_are_clear_errors(tiny, questions, message):
     with pytest.raises(RequestError, match=message):
         tiny.predict("s", questions)
@@ -249,8 +302,12 @@ def test_state_prefix_is_reused_across_requests(tiny):
 
 def test_a_micro_batch_of_requests_equals_each_request_alone(tiny):
     qs = _questions()
-    requests = [(STATE, qs), ("a short state", {"n": qs["angry"]}), (["x", 1], {"bad": {"type": "box"}}),
-                ({"k": "another state entirely, somewhat longer than the short one"}, qs)]
+    requests = [
+        (STATE, qs),
+        ("a short state", {"n": qs["angry"]}),
+        (["x", 1], {"bad": {"type": "box"}}),
+        ({"k": "another state entirely, somewhat longer than the short one"}, qs),
+    ]
     batch = tiny.predict_many(requests, with_usage=True)
     assert isinstance(batch[2], RequestError)
     for (state, q), got in zip(requests, batch):

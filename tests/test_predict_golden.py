@@ -23,14 +23,23 @@ STATES = [
 
 def _questions(yes_key, no_key):
     return {
-        "intent": {"type": "choice", "instructions": "What does the customer want?",
-                   "criteria": {"refund": "money back", "delivery": "a late parcel", "other": None}},
-        "topic": {"type": "choice", "instructions": "Which team should handle this?",
-                  "criteria": {f"team_{i}": f"handles area {i}" for i in range(12)}},
+        "intent": {
+            "type": "choice",
+            "instructions": "What does the customer want?",
+            "criteria": {"refund": "money back", "delivery": "a late parcel", "other": None},
+        },
+        "topic": {
+            "type": "choice",
+            "instructions": "Which team should handle this?",
+            "criteria": {f"team_{i}": f"handles area {i}" for i in range(12)},
+        },
         "urgency": {"type": "score", "instructions": "How urgent?", "criteria": ["low", "medium", "high", "critical"]},
         "angry": {"type": "noul", "instructions": "Is the customer angry?"},
-        "bug": {"type": "noul", "instructions": "Is this a bug report?",
-                "criteria": {yes_key: "the software misbehaves", no_key: "anything else"}},
+        "bug": {
+            "type": "noul",
+            "instructions": "Is this a bug report?",
+            "criteria": {yes_key: "the software misbehaves", no_key: "anything else"},
+        },
     }
 
 

@@ -1,4 +1,5 @@
 """Qwen3.5 parity with transformers' own implementation on tiny random configs, and cache parity."""
+
 import copy
 import json
 
@@ -58,8 +59,11 @@ def test_bfloat16_weights_keep_the_delicate_parts_fp32(pair):
     ref, bb = pair
     bb16 = lev_jax.Backbone(bb.config, models.cast_params(bb.params, bb.config, "bfloat16"))
     assert bb16.dtype == "bfloat16"
-    assert {str(leaf.dtype) for path, leaf in jax.tree_util.tree_leaves_with_path(bb16.params)
-            if getattr(path[-1], "key", "") in ("A_log", "dt_bias")} <= {"float32"}
+    assert {
+        str(leaf.dtype)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(bb16.params)
+        if getattr(path[-1], "key", "") in ("A_log", "dt_bias")
+    } <= {"float32"}
     ids = np.random.default_rng(7).integers(0, R.VOCAB, (2, 77))
     got = np.asarray(bb16.logits(ids))
     want = R.hf_logits(ref, ids)
@@ -92,11 +96,24 @@ def test_vl_checkpoint_loads_its_language_model(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # Cache parity: our own full forward is the reference (it matches transformers above).
 
+
 def _cfg(layer_types):
-    return models.Qwen3_5Config.from_hf(dict(
-        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=len(layer_types),
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=32,
-        linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, layer_types=layer_types))
+    return models.Qwen3_5Config.from_hf(
+        dict(
+            vocab_size=97,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=len(layer_types),
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            linear_key_head_dim=32,
+            linear_value_head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            layer_types=layer_types,
+        )
+    )
 
 
 LAYOUTS = {

@@ -38,7 +38,7 @@ TEXTS = [
     "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
     "text<|im_end|>glued<|endoftext|>tokens <|im_start|>",
     "e\u0301 vs \u00e9 and \u212b",
-    "{\"key\": [1, 2, 3], \"nested\": {\"a\": null}}",
+    '{"key": [1, 2, 3], "nested": {"a": null}}',
     "",
     " ",
     "\n",
@@ -199,8 +199,9 @@ DIGIT_TOKENS = ["12", "123", "1234", "12345", "45"]
 DIGIT_MERGES = ["1 2", "12 3", "123 4", "1234 5", "4 5"]
 
 
-def _write_tokenizer_gguf(path, *, pre="default", drop=(), model="gpt2", extra_tokens=DIGIT_TOKENS,
-                          merges=DIGIT_MERGES, chat_template=None):
+def _write_tokenizer_gguf(
+    path, *, pre="default", drop=(), model="gpt2", extra_tokens=DIGIT_TOKENS, merges=DIGIT_MERGES, chat_template=None
+):
     gguf = pytest.importorskip("gguf")
     tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + _byte_alphabet() + list(extra_tokens)
     types = [3, 3, 3] + [1] * (len(tokens) - 3)
@@ -294,17 +295,21 @@ def test_gguf_tokenizer_on_a_corrupt_file(tmp_path):
 QWEN_SPECIAL_TEXTS = [
     "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\n你好！<|im_end|>\n<|im_start|>assistant\n",
     "<think>\nreasoning\n</think>\n\nanswer<|im_end|><|endoftext|>",
-    "<tool_call>{\"name\": \"f\"}</tool_call><tool_response>ok</tool_response>",
+    '<tool_call>{"name": "f"}</tool_call><tool_response>ok</tool_response>',
     "<|vision_start|><|image_pad|><|vision_end|><|fim_prefix|>x<|fim_middle|>",
     "almost special: <|im_start |> <|IM_END|> <think",
 ]
-QWEN_TEXTS = TEXTS + QWEN_SPECIAL_TEXTS + [
-    "Ａｂｃ　全角スペース 〜",  # fullwidth forms (NFC leaves them, NFKC would not)
-    "\u1100\u1161\u11a8 vs \uac01",  # Hangul jamo compose under NFC
-    "A\u030a \u212b \u00c5",  # three spellings of Å
-    "x" * 300 + " " + "9" * 40,
-    "\r\n\r\nwindows\r\nlines\t",
-]
+QWEN_TEXTS = (
+    TEXTS
+    + QWEN_SPECIAL_TEXTS
+    + [
+        "Ａｂｃ　全角スペース 〜",  # fullwidth forms (NFC leaves them, NFKC would not)
+        "\u1100\u1161\u11a8 vs \uac01",  # Hangul jamo compose under NFC
+        "A\u030a \u212b \u00c5",  # three spellings of Å
+        "x" * 300 + " " + "9" * 40,
+        "\r\n\r\nwindows\r\nlines\t",
+    ]
+)
 
 
 @pytest.fixture(scope="module")

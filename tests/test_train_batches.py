@@ -11,8 +11,11 @@ from lev_jax.readout import Planner
 from lev_jax.training import batches, config, loop, lora
 from lev_jax.training import mesh as mesh_lib
 
-CHOICE = {"type": "choice", "instructions": "Which topic?",
-          "criteria": {"world": "World news", "sports": None, "business": "Markets", "sci_tech": None}}
+CHOICE = {
+    "type": "choice",
+    "instructions": "Which topic?",
+    "criteria": {"world": "World news", "sports": None, "business": "Markets", "sci_tech": None},
+}
 SCORE = {"type": "score", "instructions": "How positive?", "criteria": ["bad", "so-so", "good"]}
 NOUL = {"type": "noul", "instructions": "Is it positive?", "criteria": {"yes": "it is", "no": "it is not"}}
 
@@ -62,8 +65,12 @@ def test_large_choices_train_both_rounds(bb):
     planner = Planner(bb.tokenizer)
     planner.group_size = 4  # as a tokenizer with few single-token codes would have it
     options = {f"intent_{i}": None for i in range(10)}
-    rec = _rec("I lost my card.", {"type": "choice", "instructions": "Which intent?", "criteria": options},
-               [0.0] * 7 + [1.0, 0.0, 0.0], "choice")
+    rec = _rec(
+        "I lost my card.",
+        {"type": "choice", "instructions": "Which intent?", "criteria": options},
+        [0.0] * 7 + [1.0, 0.0, 0.0],
+        "choice",
+    )
     r = batches.Renderer(planner, seed=0)
     ex = r.example(rec, r.rng(0, 0))
     qp = planner.question(planner.state_text(rec["state"]), "q", rec["question"])
@@ -98,8 +105,11 @@ def test_groups_share_the_longest_prefix(bb):
 @pytest.mark.parametrize("layout", ["state_first", "schema_first"])
 def test_shared_prefix_gradients_equal_independent_rows(bb, layout):
     cfg = config.resolve("tiny", {"layout": layout})
-    records = RECORDS if layout == "state_first" else [
-        _rec(f"Story {i}: the match went to penalties.", CHOICE, [0, 1, 0, 0], "choice") for i in range(3)]
+    records = (
+        RECORDS
+        if layout == "state_first"
+        else [_rec(f"Story {i}: the match went to penalties.", CHOICE, [0, 1, 0, 0], "choice") for i in range(3)]
+    )
     ex = _examples(bb, records, layout=layout)
     trainer = loop.Trainer(cfg, bb, mesh_lib.make(""))
     state = trainer.init_state()

@@ -43,8 +43,7 @@ def test_bad_presets_keys_and_values(capsys, tmp_path):
 
 
 def test_overrides_are_typed():
-    cfg = config.resolve("tiny", config.parse_sets(["lr=0.5", "calibrate=false", "readouts=choice,score",
-                                                    "steps=3"]))
+    cfg = config.resolve("tiny", config.parse_sets(["lr=0.5", "calibrate=false", "readouts=choice,score", "steps=3"]))
     assert (cfg.lr, cfg.calibrate, cfg.readouts, cfg.steps) == (0.5, False, ("choice", "score"), 3)
     assert config.TrainConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
     assert set(config.PRESETS) == {"tiny", "smollm2", "smoke", "2b", "4b", "4b-instruct", "9b"}
@@ -79,14 +78,50 @@ def test_a_checkpoint_of_another_base_model_is_refused(tmp_path):
 
     env = {**os.environ, "LEV_JAX_CACHE": "", "HF_HUB_OFFLINE": "1"}
     first = tmp_path / "first"
-    p = subprocess.run([sys.executable, "-m", "train", "--preset", "tiny", "--out", str(first), "--steps", "1",
-                        "--set", "calibrate=false"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "train",
+            "--preset",
+            "tiny",
+            "--out",
+            str(first),
+            "--steps",
+            "1",
+            "--set",
+            "calibrate=false",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     other = testing.save_tiny_checkpoint(tmp_path / "llama")
-    p = subprocess.run([sys.executable, "-m", "train", "--preset", "tiny", "--out", str(tmp_path / "second"),
-                        "--set", f"model={other}", "--set", f"data={first / 'data'}", "--resume",
-                        str(first / "checkpoints" / "1")], cwd=REPO, env=env, capture_output=True, text=True,
-                       timeout=600)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "train",
+            "--preset",
+            "tiny",
+            "--out",
+            str(tmp_path / "second"),
+            "--set",
+            f"model={other}",
+            "--set",
+            f"data={first / 'data'}",
+            "--resume",
+            str(first / "checkpoints" / "1"),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr[-2000:]
     assert "belongs to base model 'tiny-qwen3_5'" in p.stderr
 
@@ -95,8 +130,10 @@ def test_plan_sizes_presets_and_refuses_without_headroom(capsys):
     assert cli.main(["plan", "--preset", "9b", "--accelerator", "h100"]) == 0
     out = capsys.readouterr().out
     assert "Qwen/Qwen3.5-9B-Base" in out and "FLOPs" in out and "GiB of" in out and " ok" in out
-    assert cli.main(["plan", "--preset", "9b", "--accelerator", "h100", "--set", "remat=none",
-                     "--set", "batch_size=256"]) == 2
+    assert (
+        cli.main(["plan", "--preset", "9b", "--accelerator", "h100", "--set", "remat=none", "--set", "batch_size=256"])
+        == 2
+    )
     captured = capsys.readouterr()
     assert "TOO MUCH" in captured.out
     assert len(captured.err.strip().splitlines()) == 1 and "--set remat=full" in captured.err

@@ -60,8 +60,9 @@ def test_merged_weights_give_the_logits_of_base_plus_adapter(pair, adapter):
 
     # transformers + peft: the frozen base plus the adapter applied to the activations, x W + s (x A) B;
     # in float64, so the only fp32 rounding left in the comparison is our merged kernels'
-    cfg = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=list(lora.DEFAULT_TARGETS),
-                          init_lora_weights=False)
+    cfg = peft.LoraConfig(
+        r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=list(lora.DEFAULT_TARGETS), init_lora_weights=False
+    )
     with_adapter = peft.get_peft_model(copy.deepcopy(ref).double(), cfg).eval()
     modules = dict(with_adapter.named_modules())
     with torch.no_grad():
@@ -76,7 +77,8 @@ def test_merged_weights_give_the_logits_of_base_plus_adapter(pair, adapter):
     with torch.no_grad():
         for p in adapter:
             plain_modules["model." + p.removesuffix(".kernel")].weight.copy_(
-                torch.from_numpy(np.asarray(flat_m[p], np.float64).T.copy()))
+                torch.from_numpy(np.asarray(flat_m[p], np.float64).T.copy())
+            )
     np.testing.assert_allclose(R.hf_logits(plain, ids), peft_logits, atol=1e-5, rtol=0)
 
     ours = np.asarray(lev_jax.Backbone(bb.config, merged).logits(ids))

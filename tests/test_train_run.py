@@ -25,8 +25,14 @@ def _env():
 
 
 def train(out, *args, check=True):
-    p = subprocess.run([sys.executable, "-m", "train", "--preset", "tiny", "--out", str(out), *args], cwd=REPO,
-                       env=_env(), capture_output=True, text=True, timeout=900)
+    p = subprocess.run(
+        [sys.executable, "-m", "train", "--preset", "tiny", "--out", str(out), *args],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if check and p.returncode != 0:
         raise AssertionError(f"train failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     return p
@@ -75,9 +81,13 @@ def test_the_trained_run_answers_through_the_engine(trained):
     bb, cal, meta = run_lib.load_run(run)
     assert meta["step"] == 24 and bb.name.endswith("+tiny@24") and cal is not None
     engine = Engine(bb, calibration=cal, **meta["engine"])
-    answers = engine.predict({"review": "A tender, witty film."}, {
-        "stars": {"type": "score", "instructions": "How positive?", "criteria": ["bad", "so-so", "good"]},
-        "liked": {"type": "noul", "instructions": "Is it positive?"}})
+    answers = engine.predict(
+        {"review": "A tender, witty film."},
+        {
+            "stars": {"type": "score", "instructions": "How positive?", "criteria": ["bad", "so-so", "good"]},
+            "liked": {"type": "noul", "instructions": "Is it positive?"},
+        },
+    )
     assert sum(answers["stars"]["probabilities"].values()) == pytest.approx(1.0)
     assert 0.0 <= answers["liked"]["noul"] <= 1.0
 
@@ -87,8 +97,10 @@ def test_the_trained_run_answers_through_the_engine(trained):
     loaded = lev_jax.load(str(run))
     assert loaded.backbone.name == bb.name and loaded.calibration.model_id == bb.name
     assert loaded.planner.layout == meta["engine"]["layout"] and "@step 24" in loaded.info()["checkpoint"]
-    same = loaded.predict({"review": "A tender, witty film."}, {
-        "stars": {"type": "score", "instructions": "How positive?", "criteria": ["bad", "so-so", "good"]}})
+    same = loaded.predict(
+        {"review": "A tender, witty film."},
+        {"stars": {"type": "score", "instructions": "How positive?", "criteria": ["bad", "so-so", "good"]}},
+    )
     assert same["stars"]["probabilities"] == pytest.approx(answers["stars"]["probabilities"], abs=1e-4)  # other buckets
     leaves = jax.tree.leaves(lev_jax.load_backbone(str(run)).params)
     assert all(np.array_equal(a, b) for a, b in zip(leaves, jax.tree.leaves(bb.params)))
@@ -128,8 +140,14 @@ def test_exact_resume_after_kill_9(tmp_path):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     args = ["--steps", "8", "--checkpoint-every", "4", *FAST]
     train(straight, *args)
-    proc = subprocess.Popen([sys.executable, "-m", "train", "--preset", "tiny", "--out", str(killed), *args],
-                            cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "train", "--preset", "tiny", "--out", str(killed), *args],
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     for line in proc.stdout:
         if line.startswith("checkpoint step 4"):
             proc.send_signal(signal.SIGKILL)  # mid-run: steps 5.. are under way
@@ -144,8 +162,9 @@ def test_exact_resume_after_kill_9(tmp_path):
         ta, tb = _restore(a, item), _restore(b, item)
         import jax
 
-        for (pa, xa), (pb, xb) in zip(jax.tree_util.tree_flatten_with_path(ta)[0],
-                                      jax.tree_util.tree_flatten_with_path(tb)[0]):
+        for (pa, xa), (pb, xb) in zip(
+            jax.tree_util.tree_flatten_with_path(ta)[0], jax.tree_util.tree_flatten_with_path(tb)[0]
+        ):
             assert pa == pb
             assert np.array_equal(np.asarray(xa), np.asarray(xb)), f"{item} {jax.tree_util.keystr(pa)} differs"
     # the next batch: the grain iterator states are the same, and so is the batch they read next
@@ -155,9 +174,19 @@ def test_exact_resume_after_kill_9(tmp_path):
     from lev_jax.data.pipeline import make_iterator
 
     cfg = json.loads((straight / "config.json").read_text())
-    nxt = [next(make_iterator(run / "data", batch_size=cfg["batch_size"], seed=cfg["seed"], num_epochs=None,
-                              window_batches=cfg["window_batches"], state=state))["index"].tolist()
-           for run, state in ((straight, state_a), (killed, state_b))]
+    nxt = [
+        next(
+            make_iterator(
+                run / "data",
+                batch_size=cfg["batch_size"],
+                seed=cfg["seed"],
+                num_epochs=None,
+                window_batches=cfg["window_batches"],
+                state=state,
+            )
+        )["index"].tolist()
+        for run, state in ((straight, state_a), (killed, state_b))
+    ]
     assert nxt[0] == nxt[1]
 
 

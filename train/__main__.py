@@ -1,4 +1,5 @@
 """`python -m train`: see lev_jax/training/cli.py (and docs/training.md)."""
+
 import sys
 
 from lev_jax.training.cli import main

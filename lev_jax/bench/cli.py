@@ -10,6 +10,7 @@
 A set argument is ``PATH[:limit=N][:max_options=K][:split=NAME]``; a directory means every
 eval-set file in it. Samples are fixed-seed shuffles (``--seed``), never head slices.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,11 +18,12 @@ import json
 import shlex
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from lev_jax.bench import export as export_lib
-from lev_jax.bench import harness, sweep as sweep_lib
+from lev_jax.bench import harness
+from lev_jax.bench import sweep as sweep_lib
 
 
 def _expand_sets(args: Sequence[str], limit: int | None) -> list[harness.SetSpec]:
@@ -46,16 +48,19 @@ def _expand_sets(args: Sequence[str], limit: int | None) -> list[harness.SetSpec
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="in-process: a checkpoint dir, .gguf or hub id (default: the embedded model)")
-    p.add_argument("--prompt-style", default="chat")
+    p.add_argument(
+        "--model", help="in-process: a checkpoint dir, .gguf, training run dir or hub id (default: the embedded model)"
+    )
+    p.add_argument("--prompt-style", default=None, help="chat (default) or plain; a run directory: as trained")
     p.add_argument("--noul-readout", choices=("binary", "rating"), default=None)
 
 
 def _load_engine(args, calibration):
     import lev_jax
 
-    return lev_jax.load(model=args.model, prompt_style=args.prompt_style, calibration=calibration,
-                        noul_readout=args.noul_readout)
+    return lev_jax.load(
+        model=args.model, prompt_style=args.prompt_style, calibration=calibration, noul_readout=args.noul_readout
+    )
 
 
 def _calibration_arg(value: str):
@@ -90,8 +95,15 @@ def _client(args, *, baseline: bool):
 def cmd_eval(args) -> int:
     specs = _expand_sets(args.sets, args.limit)
     client = _client(args, baseline=args.baseline)
-    results = harness.evaluate(client, specs, args.out, seed=args.seed, concurrency=args.concurrency,
-                               progress=not args.no_progress, n_bins=args.bins)
+    results = harness.evaluate(
+        client,
+        specs,
+        args.out,
+        seed=args.seed,
+        concurrency=args.concurrency,
+        progress=not args.no_progress,
+        n_bins=args.bins,
+    )
     print((Path(args.out) / "summary.md").read_text(encoding="utf-8"))
     return 1 if any(r["n_errors"] for r in results) and args.strict else 0
 
@@ -105,8 +117,9 @@ def cmd_fit(args) -> int:
     if args.sets:
         engine = _load_engine(args, None)
         specs = _expand_sets(args.sets, args.limit)
-        rows, splits, report = harness.collect_rows(engine, specs, seed=args.seed, progress=not args.no_progress,
-                                                    eval_data=args.eval_data)
+        rows, splits, report = harness.collect_rows(
+            engine, specs, seed=args.seed, progress=not args.no_progress, eval_data=args.eval_data
+        )
         if args.rows_out:
             harness.save_rows(rows, args.rows_out)
             print(f"wrote {len(rows)} calibration rows to {args.rows_out}")
@@ -161,7 +174,9 @@ def cmd_sweep(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="levbench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="levbench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     e = sub.add_parser("export", help="write eval-set files")
@@ -187,8 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--timeout", type=float, default=300.0)
     v.add_argument("--concurrency", type=int, default=4, help="requests in flight (URL; in-process is serial)")
     v.add_argument("--calibration", default="auto", help="in-process: auto | none | PATH")
-    v.add_argument("--no-baseline", dest="baseline", action="store_false",
-                   help="in-process: do not also score the uncalibrated readout of the same logits")
+    v.add_argument(
+        "--no-baseline",
+        dest="baseline",
+        action="store_false",
+        help="in-process: do not also score the uncalibrated readout of the same logits",
+    )
     v.add_argument("--bins", type=int, default=10)
     v.add_argument("--strict", action="store_true", help="exit 1 if any item failed")
     _engine_args(v)
@@ -199,8 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("sets", nargs="*")
     f.add_argument("--rows", action="append", help="calibration rows saved by --rows-out (no model run)")
     f.add_argument("--rows-out", help="save the rows read (JSON lines) for refitting without the model")
-    f.add_argument("--save", help="profile directory (default: lev_jax/profiles/<model> for the embedded model, "
-                                  "the checkpoint dir for a local one; '-' = do not save)")
+    f.add_argument(
+        "--save",
+        help="profile directory (default: lev_jax/profiles/<model> for the embedded model, "
+        "the checkpoint dir for a local one; '-' = do not save)",
+    )
     f.add_argument("--model-id", help="the model id recorded in the profile (default: the engine's)")
     f.add_argument("--min-rows", type=int, default=50)
     f.add_argument("--eval-data", help="eval-data folder for the contamination check")
@@ -237,5 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
-        print(f"[levbench {args.cmd}: {time.perf_counter() - t0:.1f} s wall, {time.process_time():.1f} s cpu]",
-              file=sys.stderr)
+        print(
+            f"[levbench {args.cmd}: {time.perf_counter() - t0:.1f} s wall, {time.process_time():.1f} s cpu]",
+            file=sys.stderr,
+        )

@@ -6,6 +6,7 @@ calibration profile (the uncalibrated baseline) and hand back each readout's raw
 pass over a set gives calibrated and uncalibrated metrics, or calibration rows, without reading
 the model twice.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,9 @@ import os
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -59,8 +61,9 @@ class HttpClient:
 
     max_concurrency = 64
 
-    def __init__(self, url: str, model: str = DEFAULT_MODEL, api_key: str | None = None, timeout: float = 300.0,
-                 retries: int = 5):
+    def __init__(
+        self, url: str, model: str = DEFAULT_MODEL, api_key: str | None = None, timeout: float = 300.0, retries: int = 5
+    ):
         url = url.rstrip("/")
         self.endpoint = url if url.endswith("/v1/systemone") else url + "/v1/systemone"
         self.base = self.endpoint[: -len("/v1/systemone")]
@@ -74,15 +77,19 @@ class HttpClient:
         try:
             with urllib.request.urlopen(self.base + "/health", timeout=10) as r:
                 health = json.loads(r.read())
-            out["server"] = {k: health.get(k) for k in ("model", "calibrated", "prompt_style", "noul_readout",
-                                                         "version") if k in health}
+            out["server"] = {
+                k: health.get(k)
+                for k in ("model", "calibrated", "prompt_style", "noul_readout", "version")
+                if k in health
+            }
         except (OSError, ValueError):
             pass
         return out
 
     def ask(self, state, questions: Mapping[str, dict]) -> Asked:
-        body = json.dumps({"model": self.model, "state": state,
-                           "questions": {k: to_wire(q) for k, q in questions.items()}}).encode("utf-8")
+        body = json.dumps(
+            {"model": self.model, "state": state, "questions": {k: to_wire(q) for k, q in questions.items()}}
+        ).encode("utf-8")
         headers = {"content-type": "application/json"}
         if self.api_key:
             headers["authorization"] = f"Bearer {self.api_key}"
@@ -103,8 +110,13 @@ class HttpClient:
             except urllib.error.URLError as e:
                 raise ClientError(f"{self.endpoint}: {e.reason}") from None
         usage = doc.get("usage") or {}
-        return Asked(doc["answers"], latency, usage.get("input_tokens"), doc.get("x_state_tokens"),
-                     doc.get("x_cached_input_tokens"))
+        return Asked(
+            doc["answers"],
+            latency,
+            usage.get("input_tokens"),
+            doc.get("x_state_tokens"),
+            doc.get("x_cached_input_tokens"),
+        )
 
 
 class InProcessClient:
@@ -132,9 +144,13 @@ class InProcessClient:
         cal_info = e.calibration.describe()
         if cal_info.get("path"):
             cal_info["path"] = _relative(cal_info["path"])
-        return {"kind": "in-process", "model": e.model_name, "calibration": cal_info,
-                "baseline": self.baseline.describe() if self.baseline is not None else None,
-                **{k: info.get(k) for k in ("prompt_style", "layout", "noul_readout", "option_averaging")}}
+        return {
+            "kind": "in-process",
+            "model": e.model_name,
+            "calibration": cal_info,
+            "baseline": self.baseline.describe() if self.baseline is not None else None,
+            **{k: info.get(k) for k in ("prompt_style", "layout", "noul_readout", "option_averaging")},
+        }
 
     def ask(self, state, questions: Mapping[str, dict]) -> Asked:
         eq = {k: to_wire(q) for k, q in questions.items()}

@@ -14,18 +14,19 @@ One file per task::
   for, so a file can hold many questions (one per multiple-choice item, say) and each item asks
   its own; a file with one question asks it of every item.
 """
+
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from lev_jax import metrics
-from lev_jax.prompt import render_value
 
 QUESTION_TYPES = ("choice", "score", "noul")
 
@@ -45,7 +46,7 @@ class EvalSet:
     # ---- IO
 
     @classmethod
-    def load(cls, path: str | Path, task: str | None = None) -> "EvalSet":
+    def load(cls, path: str | Path, task: str | None = None) -> EvalSet:
         p = Path(path)
         try:
             doc = json.loads(p.read_text(encoding="utf-8"))
@@ -56,12 +57,19 @@ class EvalSet:
         return es
 
     @classmethod
-    def from_dict(cls, doc: Mapping[str, Any], task: str) -> "EvalSet":
-        if not isinstance(doc, Mapping) or not isinstance(doc.get("questions"), Mapping) or not isinstance(
-                doc.get("items"), list):
+    def from_dict(cls, doc: Mapping[str, Any], task: str) -> EvalSet:
+        if (
+            not isinstance(doc, Mapping)
+            or not isinstance(doc.get("questions"), Mapping)
+            or not isinstance(doc.get("items"), list)
+        ):
             raise EvalSetError(f"{task}: an eval set is an object with 'questions' (object) and 'items' (array)")
-        es = cls(task, {str(k): dict(v) for k, v in doc["questions"].items()}, list(doc["items"]),
-                 dict(doc.get("meta") or {}))
+        es = cls(
+            task,
+            {str(k): dict(v) for k, v in doc["questions"].items()},
+            list(doc["items"]),
+            dict(doc.get("meta") or {}),
+        )
         es.validate()
         return es
 
@@ -84,8 +92,9 @@ class EvalSet:
             raise EvalSetError(f"{self.task}: no questions")
         for name, q in self.questions.items():
             if q.get("type") not in QUESTION_TYPES:
-                raise EvalSetError(f"{self.task}: question {name!r} has type {q.get('type')!r}; "
-                                   f"expected one of {QUESTION_TYPES}")
+                raise EvalSetError(
+                    f"{self.task}: question {name!r} has type {q.get('type')!r}; expected one of {QUESTION_TYPES}"
+                )
         for i, it in enumerate(self.items):
             if not isinstance(it, Mapping) or "state" not in it or not isinstance(it.get("labels"), Mapping):
                 raise EvalSetError(f"{self.task}: item {i} needs 'state' and a 'labels' object")
@@ -98,7 +107,7 @@ class EvalSet:
 
     # ---- sampling
 
-    def sample(self, limit: int | None, seed: int = 0) -> "EvalSet":
+    def sample(self, limit: int | None, seed: int = 0) -> EvalSet:
         """A fixed-seed shuffled sample of ``limit`` items (all of them, shuffled, if ``limit``
         is None or larger). The sample for a smaller limit is a prefix of a larger one's."""
         order = np.random.default_rng(seed).permutation(len(self.items))
@@ -187,11 +196,13 @@ def answer_row(q: Mapping[str, Any], answer: Mapping[str, Any]) -> list[float]:
     return list(row / s)  # renormalise float round-off from JSON only
 
 
-def task_metrics(rows: Sequence[Sequence[float]], gold: Sequence[int], families: Sequence[str] | None = None,
-                 n_bins: int = 10) -> dict[str, Any]:
+def task_metrics(
+    rows: Sequence[Sequence[float]], gold: Sequence[int], families: Sequence[str] | None = None, n_bins: int = 10
+) -> dict[str, Any]:
     """The per-task metric bundle: :func:`lev_jax.metrics.summarize` plus RStd."""
-    out = metrics.summarize(rows, gold, families if families is not None and len(set(families)) > 1 else None,
-                            n_bins=n_bins)
+    out = metrics.summarize(
+        rows, gold, families if families is not None and len(set(families)) > 1 else None, n_bins=n_bins
+    )
     out["rstd"] = metrics.position_bias_rstd(rows, gold)
     out["per_position_recall"] = {str(k): v for k, v in metrics.per_position_recall(rows, gold).items()}
     return out

@@ -26,13 +26,15 @@ calibration`` writes that split as ``mixture-calibration.<source>.json`` (role `
 ``--split test`` writes ``mixture-test.<source>.json`` (role ``test``). This is the pipeline's
 own ``python -m data eval`` export, renamed and given ``meta``.
 """
+
 from __future__ import annotations
 
 import csv
 import json
 import tempfile
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 from lev_jax.bench.evalset import EvalSet
 from lev_jax.data.guard import EVAL_DATA_ENV, default_eval_data_dir
@@ -48,8 +50,11 @@ def _spec(name: str):
 
 def _choice_question(spec_name: str, drop: Sequence[str] = ()) -> dict[str, Any]:
     spec = _spec(spec_name)
-    return {"type": "choice", "instructions": spec.instructions[0],
-            "criteria": {o.key: None for o in spec.options if o.key not in drop}}
+    return {
+        "type": "choice",
+        "instructions": spec.instructions[0],
+        "criteria": {o.key: None for o in spec.options if o.key not in drop},
+    }
 
 
 def _eval_texts(eval_data: Path) -> set[str]:
@@ -64,8 +69,9 @@ def _norm(text: str) -> str:
     return normalize_text(text)
 
 
-def _choice_set(task: str, question: dict, rows: Iterable[tuple[str, str]], meta: dict,
-                exclude: set[str] | None = None) -> EvalSet:
+def _choice_set(
+    task: str, question: dict, rows: Iterable[tuple[str, str]], meta: dict, exclude: set[str] | None = None
+) -> EvalSet:
     name = task.split("-")[0]
     items, dropped, unknown = [], 0, 0
     for text, label in rows:
@@ -76,8 +82,13 @@ def _choice_set(task: str, question: dict, rows: Iterable[tuple[str, str]], meta
             dropped += 1
             continue
         items.append({"state": text, "labels": {name: label}})
-    meta = {**meta, "task": task, "n_items": len(items), "options": len(question["criteria"]),
-            "option_descriptions": False}
+    meta = {
+        **meta,
+        "task": task,
+        "n_items": len(items),
+        "options": len(question["criteria"]),
+        "option_descriptions": False,
+    }
     if exclude is not None:
         meta["dropped_as_evaluation_rows"] = dropped
     if unknown:
@@ -90,19 +101,31 @@ def banking77(eval_data: Path, split: str, exclude: set[str] | None = None) -> E
     with open(eval_data / fname, newline="", encoding="utf-8") as f:
         rows = [(r["text"], r["category"]) for r in csv.DictReader(f)]
     role = TEST if split == "test" else CALIBRATION
-    return _choice_set(f"banking77-{split}", _choice_question("banking77"), rows,
-                       {"source": f"eval-data/{fname}", "split": f"banking77-{split}", "role": role},
-                       exclude if role == CALIBRATION else None)
+    return _choice_set(
+        f"banking77-{split}",
+        _choice_question("banking77"),
+        rows,
+        {"source": f"eval-data/{fname}", "split": f"banking77-{split}", "role": role},
+        exclude if role == CALIBRATION else None,
+    )
 
 
 def clinc150(eval_data: Path, part: str, exclude: set[str] | None = None) -> EvalSet:
     data = json.loads((eval_data / "clinc150-small.json").read_text(encoding="utf-8"))
     rows = [(r[0], r[1]) for r in data[part]]
     role = TEST if part == "test" else CALIBRATION
-    return _choice_set(f"clinc150-{part}", _choice_question("clinc_oos", drop=("oos",)), rows,
-                       {"source": f"eval-data/clinc150-small.json#{part}", "split": f"clinc150-{part}",
-                        "role": role, "note": "in-scope intents only (oos rows are not one of the 150 options)"},
-                       exclude if role == CALIBRATION else None)
+    return _choice_set(
+        f"clinc150-{part}",
+        _choice_question("clinc_oos", drop=("oos",)),
+        rows,
+        {
+            "source": f"eval-data/clinc150-small.json#{part}",
+            "split": f"clinc150-{part}",
+            "role": role,
+            "note": "in-scope intents only (oos rows are not one of the 150 options)",
+        },
+        exclude if role == CALIBRATION else None,
+    )
 
 
 def boolq(eval_data: Path) -> EvalSet:
@@ -112,12 +135,25 @@ def boolq(eval_data: Path) -> EvalSet:
             rec = json.loads(line)
             text = rec["question"].strip()
             name = f"boolq.{i}"
-            questions[name] = {"type": "noul", "instructions": text[:1].upper() + text[1:].rstrip("?") + "?",
-                               "criteria": None}
+            questions[name] = {
+                "type": "noul",
+                "instructions": text[:1].upper() + text[1:].rstrip("?") + "?",
+                "criteria": None,
+            }
             items.append({"state": f"{rec['title']}\n\n{rec['passage']}", "labels": {name: bool(rec["answer"])}})
-    return EvalSet("boolq-dev", questions, items,
-                   {"source": "eval-data/boolq-dev.jsonl", "split": "boolq-dev", "role": TEST, "task": "boolq-dev",
-                    "n_items": len(items), "note": "state: title and passage; one noul question per item"})
+    return EvalSet(
+        "boolq-dev",
+        questions,
+        items,
+        {
+            "source": "eval-data/boolq-dev.jsonl",
+            "split": "boolq-dev",
+            "role": TEST,
+            "task": "boolq-dev",
+            "n_items": len(items),
+            "note": "state: title and passage; one noul question per item",
+        },
+    )
 
 
 EXPORTS: dict[str, tuple[str, Callable[..., EvalSet]]] = {
@@ -129,8 +165,9 @@ EXPORTS: dict[str, tuple[str, Callable[..., EvalSet]]] = {
 }
 
 
-def export_eval_data(out_dir: str | Path, eval_data: str | Path | None = None, which: str = "all",
-                     tasks: Sequence[str] | None = None) -> dict[str, int]:
+def export_eval_data(
+    out_dir: str | Path, eval_data: str | Path | None = None, which: str = "all", tasks: Sequence[str] | None = None
+) -> dict[str, int]:
     """Write the eval-data exports (``which``: ``test``, ``calibration`` or ``all``; or the named
     ``tasks``) to ``out_dir``; returns items per task."""
     d = Path(eval_data) if eval_data is not None else default_eval_data_dir()
@@ -163,9 +200,13 @@ def export_pipeline(data_dir: str | Path, out_dir: str | Path, split: str = CALI
             es = EvalSet.load(f)
             task = f"mixture-{split}.{f.stem}"
             es.task = task
-            es.meta = {"source": f"data-pipeline:{Path(data_dir).name}/{split}/{f.stem}",
-                       "split": f"mixture-{split}/{f.stem}", "role": split,
-                       "task": task, "n_items": len(es.items)}
+            es.meta = {
+                "source": f"data-pipeline:{Path(data_dir).name}/{split}/{f.stem}",
+                "split": f"mixture-{split}/{f.stem}",
+                "role": split,
+                "task": task,
+                "n_items": len(es.items),
+            }
             es.save(out / f"{task}.json")
             counts[task] = len(es.items)
     return counts

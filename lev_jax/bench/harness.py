@@ -9,6 +9,7 @@ Per task ``eval`` writes, into ``--out``:
 
 and ``summary.json`` / ``summary.md`` across tasks.
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -17,9 +18,10 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -42,7 +44,7 @@ class SetSpec:
     split: str | None = None
 
     @classmethod
-    def parse(cls, text: str, default_limit: int | None = None) -> "SetSpec":
+    def parse(cls, text: str, default_limit: int | None = None) -> SetSpec:
         path, *opts = str(text).split(":")
         spec = cls(Path(path), default_limit)
         for opt in opts:
@@ -62,10 +64,14 @@ class SetSpec:
     def load(self, seed: int) -> EvalSet:
         es = EvalSet.load(self.path)
         if self.max_options is not None:
-            keep = [it for it in es.items
-                    if all(n_options(es.questions[q]) <= self.max_options for q in it["labels"])]
-            es = EvalSet(es.task, es.questions, keep, {**es.meta, "max_options": self.max_options,
-                                                       "items_within_max_options": len(keep)}, es.path)
+            keep = [it for it in es.items if all(n_options(es.questions[q]) <= self.max_options for q in it["labels"])]
+            es = EvalSet(
+                es.task,
+                es.questions,
+                keep,
+                {**es.meta, "max_options": self.max_options, "items_within_max_options": len(keep)},
+                es.path,
+            )
         if self.split:
             es.meta = {**es.meta, "split": self.split}
         return es.sample(self.limit, seed)
@@ -96,8 +102,9 @@ class _Progress:
             self.bar.close()
 
 
-def run_items(client, es: EvalSet, *, concurrency: int = 1, progress: bool = True,
-              on_result: Callable | None = None) -> list[dict]:
+def run_items(
+    client, es: EvalSet, *, concurrency: int = 1, progress: bool = True, on_result: Callable | None = None
+) -> list[dict]:
     """Ask every item its labelled questions; returns one result per item, in item order:
     ``{"i", "asked": Asked | None, "error": str | None}``. At most ``concurrency`` requests are
     in flight (the client may allow fewer)."""
@@ -138,8 +145,13 @@ def _stats(xs: Sequence[float]) -> dict[str, float] | None:
     if not xs:
         return None
     a = np.asarray(xs, dtype=np.float64)
-    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p95": float(np.percentile(a, 95)),
-            "max": float(a.max()), "total": float(a.sum())}
+    return {
+        "mean": float(a.mean()),
+        "p50": float(np.percentile(a, 50)),
+        "p95": float(np.percentile(a, 95)),
+        "max": float(a.max()),
+        "total": float(a.sum()),
+    }
 
 
 def _bootstrap_ece_delta(base: list, cal: list, gold: list, n_bins: int, seed: int = 0) -> dict[str, float]:
@@ -150,10 +162,16 @@ def _bootstrap_ece_delta(base: list, cal: list, gold: list, n_bins: int, seed: i
     deltas = []
     for _ in range(BOOTSTRAP):
         idx = rng.integers(0, n, n)
-        deltas.append(metrics.ece([base[i] for i in idx], g[idx], n_bins) - metrics.ece([cal[i] for i in idx], g[idx], n_bins))
+        deltas.append(
+            metrics.ece([base[i] for i in idx], g[idx], n_bins) - metrics.ece([cal[i] for i in idx], g[idx], n_bins)
+        )
     d = np.asarray(deltas)
-    return {"mean": float(d.mean()), "ci95": [float(np.percentile(d, 2.5)), float(np.percentile(d, 97.5))],
-            "p_not_lower": float((d <= 0).mean()), "resamples": BOOTSTRAP}
+    return {
+        "mean": float(d.mean()),
+        "ci95": [float(np.percentile(d, 2.5)), float(np.percentile(d, 97.5))],
+        "p_not_lower": float((d <= 0).mean()),
+        "resamples": BOOTSTRAP,
+    }
 
 
 def score_task(es: EvalSet, results: list[dict], n_bins: int = 10) -> dict[str, Any]:
@@ -193,10 +211,17 @@ def score_task(es: EvalSet, results: list[dict], n_bins: int = 10) -> dict[str, 
                 base_rows.append(b)
                 rec["uncalibrated_probs"] = [round(x, 6) for x in b]
             records.append(rec)
-    out: dict[str, Any] = {"task": es.task, "meta": es.meta, "n_items": len(es.items), "n_rows": len(rows),
-                           "n_errors": n_errors, "latency_s": _stats(lat),
-                           "input_tokens": _stats(toks), "state_tokens": _stats(state_toks),
-                           "cached_input_tokens": _stats(cached)}
+    out: dict[str, Any] = {
+        "task": es.task,
+        "meta": es.meta,
+        "n_items": len(es.items),
+        "n_rows": len(rows),
+        "n_errors": n_errors,
+        "latency_s": _stats(lat),
+        "input_tokens": _stats(toks),
+        "state_tokens": _stats(state_toks),
+        "cached_input_tokens": _stats(cached),
+    }
     if rows:
         multi = len(es.questions) > 1 and len(set(fams)) <= 20
         out["metrics"] = task_metrics(rows, gold, fams if multi else None, n_bins)
@@ -222,11 +247,19 @@ def task_markdown(res: Mapping[str, Any], client_info: Mapping[str, Any] | None 
     lines = [f"# {res['task']}", ""]
     if meta.get("source"):
         lines.append(f"- source: `{meta['source']}` (split `{meta.get('split')}`, role {meta.get('role', '-')})")
-    lines.append(f"- items: {res['n_items']}" + (f" (fixed-seed sample, seed {s.get('seed')}, of {s.get('of')})"
-                                                 if s and s.get("of") != res["n_items"] else "")
-                 + f"; rows scored: {res['n_rows']}; errors: {res['n_errors']}")
+    lines.append(
+        f"- items: {res['n_items']}"
+        + (
+            f" (fixed-seed sample, seed {s.get('seed')}, of {s.get('of')})"
+            if s and s.get("of") != res["n_items"]
+            else ""
+        )
+        + f"; rows scored: {res['n_rows']}; errors: {res['n_errors']}"
+    )
     if client_info:
-        lines.append(f"- answered by: {client_info.get('kind')} `{client_info.get('endpoint') or client_info.get('model')}`")
+        lines.append(
+            f"- answered by: {client_info.get('kind')} `{client_info.get('endpoint') or client_info.get('model')}`"
+        )
     lat = res.get("latency_s")
     if lat:
         lines.append(f"- latency per item: mean {lat['mean']:.3f} s, p50 {lat['p50']:.3f} s, p95 {lat['p95']:.3f} s")
@@ -235,45 +268,73 @@ def task_markdown(res: Mapping[str, Any], client_info: Mapping[str, Any] | None 
         lines.append(f"- input tokens per item: mean {tok['mean']:.0f}")
     lines += ["", "| readout | accuracy | ECE | Brier | NLL | RStd |", "|---|---|---|---|---|---|"]
     if u:
-        lines.append(f"| uncalibrated | {_f(u['accuracy'])} | {_f(u['ece'])} | {_f(u['brier'])} | {_f(u['nll'])} "
-                     f"| {_f(u['rstd'])} |")
+        lines.append(
+            f"| uncalibrated | {_f(u['accuracy'])} | {_f(u['ece'])} | {_f(u['brier'])} | {_f(u['nll'])} "
+            f"| {_f(u['rstd'])} |"
+        )
     if m:
-        lines.append(f"| {'calibrated' if u else 'as served'} | {_f(m['accuracy'])} | {_f(m['ece'])} "
-                     f"| {_f(m['brier'])} | {_f(m['nll'])} | {_f(m['rstd'])} |")
+        lines.append(
+            f"| {'calibrated' if u else 'as served'} | {_f(m['accuracy'])} | {_f(m['ece'])} "
+            f"| {_f(m['brier'])} | {_f(m['nll'])} | {_f(m['rstd'])} |"
+        )
     bs = res.get("ece_delta_bootstrap")
     if bs:
-        lines += ["", f"ECE reduction (uncalibrated - calibrated): {bs['mean']:.3f}, 95% paired bootstrap interval "
-                      f"[{bs['ci95'][0]:.3f}, {bs['ci95'][1]:.3f}] ({bs['resamples']} resamples)."]
+        lines += [
+            "",
+            f"ECE reduction (uncalibrated - calibrated): {bs['mean']:.3f}, 95% paired bootstrap interval "
+            f"[{bs['ci95'][0]:.3f}, {bs['ci95'][1]:.3f}] ({bs['resamples']} resamples).",
+        ]
     if m:
-        lines += ["", "Selective accuracy (rows with confidence >= threshold):", "",
-                  "| threshold | coverage | accuracy |", "|---|---|---|"]
+        lines += [
+            "",
+            "Selective accuracy (rows with confidence >= threshold):",
+            "",
+            "| threshold | coverage | accuracy |",
+            "|---|---|---|",
+        ]
         for row in m["selective"]:
             lines.append(f"| {row['threshold']} | {_f(row['coverage'])} | {_f(row['accuracy'])} |")
-        lines += ["", "Reliability (10 equal-width confidence bins):", "",
-                  "| bin | count | confidence | accuracy |", "|---|---|---|---|"]
+        lines += [
+            "",
+            "Reliability (10 equal-width confidence bins):",
+            "",
+            "| bin | count | confidence | accuracy |",
+            "|---|---|---|---|",
+        ]
         for b in m["reliability"]:
             if b["count"]:
-                lines.append(f"| ({b['lower']:.1f}, {b['upper']:.1f}] | {b['count']} | {_f(b['confidence'])} "
-                             f"| {_f(b['accuracy'])} |")
-    lines += ["", "RStd: population std of per-position recall over the gold positions (options are shown in "
-                  "canonical order, so it also reflects per-class difficulty)."]
+                lines.append(
+                    f"| ({b['lower']:.1f}, {b['upper']:.1f}] | {b['count']} | {_f(b['confidence'])} "
+                    f"| {_f(b['accuracy'])} |"
+                )
+    lines += [
+        "",
+        "RStd: population std of per-position recall over the gold positions (options are shown in "
+        "canonical order, so it also reflects per-class difficulty).",
+    ]
     return "\n".join(lines) + "\n"
 
 
 def summary_markdown(results: Sequence[Mapping[str, Any]], client_info: Mapping[str, Any] | None = None) -> str:
     lines = ["# levbench eval", ""]
     if client_info:
-        lines.append(f"Answered by: {client_info.get('kind')} `{client_info.get('endpoint') or client_info.get('model')}`")
+        lines.append(
+            f"Answered by: {client_info.get('kind')} `{client_info.get('endpoint') or client_info.get('model')}`"
+        )
         lines.append("")
-    lines += ["| task | items | accuracy | ECE uncal. | ECE | Brier | NLL | RStd | latency p50 (s) |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "| task | items | accuracy | ECE uncal. | ECE | Brier | NLL | RStd | latency p50 (s) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         m = r.get("metrics") or {}
         u = r.get("uncalibrated") or {}
         lat = r.get("latency_s") or {}
-        lines.append(f"| {r['task']} | {r['n_items']} | {_f(m.get('accuracy'))} | {_f(u.get('ece'))} "
-                     f"| {_f(m.get('ece'))} | {_f(m.get('brier'))} | {_f(m.get('nll'))} | {_f(m.get('rstd'))} "
-                     f"| {_f(lat.get('p50'))} |")
+        lines.append(
+            f"| {r['task']} | {r['n_items']} | {_f(m.get('accuracy'))} | {_f(u.get('ece'))} "
+            f"| {_f(m.get('ece'))} | {_f(m.get('brier'))} | {_f(m.get('nll'))} | {_f(m.get('rstd'))} "
+            f"| {_f(lat.get('p50'))} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -288,37 +349,56 @@ def write_task(res: dict[str, Any], out_dir: Path, client_info: Mapping[str, Any
     p = out_dir / f"{task}.md"
     p.write_text(task_markdown(res, client_info), encoding="utf-8")
     files["md"] = str(p)
-    for key, suffix, label in (("metrics", "", "calibrated" if res.get("uncalibrated") else ""),
-                               ("uncalibrated", ".uncalibrated", "uncalibrated")):
+    for key, suffix, label in (
+        ("metrics", "", "calibrated" if res.get("uncalibrated") else ""),
+        ("uncalibrated", ".uncalibrated", "uncalibrated"),
+    ):
         m = res.get(key)
         if m:
-            png = metrics.reliability_diagram_png(m["reliability"], out_dir / f"{task}{suffix}.reliability.png",
-                                                  title=f"{task} {label}".strip())
+            png = metrics.reliability_diagram_png(
+                m["reliability"], out_dir / f"{task}{suffix}.reliability.png", title=f"{task} {label}".strip()
+            )
             if png is not None:
                 files[f"png{suffix}"] = str(png)
     return files
 
 
-def evaluate(client, specs: Sequence[SetSpec], out_dir: str | Path, *, seed: int = 0, concurrency: int = 1,
-             progress: bool = True, n_bins: int = 10) -> list[dict[str, Any]]:
+def evaluate(
+    client,
+    specs: Sequence[SetSpec],
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    concurrency: int = 1,
+    progress: bool = True,
+    n_bins: int = 10,
+) -> list[dict[str, Any]]:
     """Run every set, write the per-task files and the summary; returns the task results."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     info = client.describe()
-    started = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    started = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     results = []
     for spec in specs:
         es = spec.load(seed)
         t0, c0 = time.perf_counter(), time.process_time()
         items = run_items(client, es, concurrency=concurrency, progress=progress)
         res = score_task(es, items, n_bins)
-        res["run"] = {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
-                      "concurrency": max(1, min(int(concurrency), getattr(client, "max_concurrency", 1))),
-                      "seed": seed, "started": started}
+        res["run"] = {
+            "wall_s": time.perf_counter() - t0,
+            "cpu_s": time.process_time() - c0,
+            "concurrency": max(1, min(int(concurrency), getattr(client, "max_concurrency", 1))),
+            "seed": seed,
+            "started": started,
+        }
         res["files"] = write_task(res, out, info)
         results.append(res)
-    summary = {"client": info, "started": started, "argv": ["python -m scripts.levbench", *sys.argv[1:]],
-               "tasks": [{k: v for k, v in r.items() if k != "records"} for r in results]}
+    summary = {
+        "client": info,
+        "started": started,
+        "argv": ["python -m scripts.levbench", *sys.argv[1:]],
+        "tasks": [{k: v for k, v in r.items() if k != "records"} for r in results],
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     (out / "summary.md").write_text(summary_markdown(results, info), encoding="utf-8")
     return results
@@ -355,8 +435,11 @@ def check_fit_states(es: EvalSet, eval_texts: set[str]) -> None:
     hits = 0
     for it in es.items:
         st = it["state"]
-        texts = [st] if isinstance(st, str) else [v for v in (st.values() if isinstance(st, dict) else st)
-                                                  if isinstance(v, str)]
+        texts = (
+            [st]
+            if isinstance(st, str)
+            else [v for v in (st.values() if isinstance(st, dict) else st) if isinstance(v, str)]
+        )
         hits += any(normalize_text(t) in eval_texts for t in texts)
     if hits:
         raise FitRefused(f"{es.task}: {hits} item state(s) are evaluation rows; decontaminate the set first")
@@ -376,19 +459,36 @@ def rows_from_results(es: EvalSet, results: list[dict], split: str) -> tuple[lis
                 continue
             q = es.questions[name]
             gold = bool(label) if q["type"] == "noul" else gold_index(q, label)
-            rows.append(calibrate.CalibrationRow([np.asarray(x) for x in ro.logits], gold, ro.qtype, ro.mode,
-                                                 es.task, ro.n, split))
+            rows.append(
+                calibrate.CalibrationRow(
+                    [np.asarray(x) for x in ro.logits], gold, ro.qtype, ro.mode, es.task, ro.n, split
+                )
+            )
     return rows, skipped
 
 
 def row_to_json(r: calibrate.CalibrationRow) -> dict[str, Any]:
-    return {"logits": [[float(x) for x in a] for a in r.logits], "gold": r.gold, "qtype": r.qtype, "mode": r.mode,
-            "family": r.family, "n_options": r.n_options, "split": r.split}
+    return {
+        "logits": [[float(x) for x in a] for a in r.logits],
+        "gold": r.gold,
+        "qtype": r.qtype,
+        "mode": r.mode,
+        "family": r.family,
+        "n_options": r.n_options,
+        "split": r.split,
+    }
 
 
 def row_from_json(d: Mapping[str, Any]) -> calibrate.CalibrationRow:
-    return calibrate.CalibrationRow([np.asarray(a, dtype=np.float64) for a in d["logits"]], d["gold"], d["qtype"],
-                                    d["mode"], d["family"], d.get("n_options"), d.get("split"))
+    return calibrate.CalibrationRow(
+        [np.asarray(a, dtype=np.float64) for a in d["logits"]],
+        d["gold"],
+        d["qtype"],
+        d["mode"],
+        d["family"],
+        d.get("n_options"),
+        d.get("split"),
+    )
 
 
 def save_rows(rows: Iterable[calibrate.CalibrationRow], path: str | Path) -> Path:
@@ -405,8 +505,9 @@ def load_rows(path: str | Path) -> list[calibrate.CalibrationRow]:
         return [row_from_json(json.loads(line)) for line in f if line.strip()]
 
 
-def collect_rows(engine, specs: Sequence[SetSpec], *, seed: int = 0, progress: bool = True,
-                 eval_data: str | Path | None = None) -> tuple[list[calibrate.CalibrationRow], list[str], dict]:
+def collect_rows(
+    engine, specs: Sequence[SetSpec], *, seed: int = 0, progress: bool = True, eval_data: str | Path | None = None
+) -> tuple[list[calibrate.CalibrationRow], list[str], dict]:
     """Calibration rows (raw label logits) from calibration sets; refuses held-out sets."""
     from lev_jax.bench.clients import InProcessClient
     from lev_jax.data.guard import Guard
@@ -426,9 +527,16 @@ def collect_rows(engine, specs: Sequence[SetSpec], *, seed: int = 0, progress: b
         got, skipped = rows_from_results(es, res, split)
         rows += got
         splits.append(split)
-        report[es.task] = {"split": split, "items": len(es.items), "rows": len(got), "skipped": skipped,
-                           "sample": es.meta.get("sample"), "max_options": es.meta.get("max_options"),
-                           "wall_s": round(time.perf_counter() - t0, 1), "cpu_s": round(time.process_time() - c0, 1)}
+        report[es.task] = {
+            "split": split,
+            "items": len(es.items),
+            "rows": len(got),
+            "skipped": skipped,
+            "sample": es.meta.get("sample"),
+            "max_options": es.meta.get("max_options"),
+            "wall_s": round(time.perf_counter() - t0, 1),
+            "cpu_s": round(time.process_time() - c0, 1),
+        }
     return rows, splits, report
 
 
@@ -437,7 +545,9 @@ def fit_report_markdown(cal: calibrate.Calibration, report: Mapping[str, Any] | 
     if report:
         lines += ["| set | split | items | rows | max options | cpu s |", "|---|---|---|---|---|---|"]
         for task, r in report.items():
-            lines.append(f"| {task} | {r['split']} | {r['items']} | {r['rows']} | {r.get('max_options') or '-'} "
-                         f"| {r.get('cpu_s', '-')} |")
+            lines.append(
+                f"| {task} | {r['split']} | {r['items']} | {r['rows']} | {r.get('max_options') or '-'} "
+                f"| {r.get('cpu_s', '-')} |"
+            )
     lines += ["", "Reproduce:", "", "```", " ".join(argv), "```"]
     return "\n".join(lines) + "\n"

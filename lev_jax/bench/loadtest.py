@@ -15,6 +15,7 @@ Phases (every loop is bounded in count and time, and the script stops by itself)
 Prints a JSON report (and `--markdown` a table for BENCHMARKS.md); exits 1 if a check fails.
 `run_load` is the same load test as a coroutine (tests/test_serve_load.py runs it in-process).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,11 +41,21 @@ TICKETS = [
 ]
 QUESTIONS = {
     "refund": {"type": "noul", "instructions": "Is the customer asking for money back?"},
-    "team": {"type": "choice", "instructions": "Which team should handle this ticket?",
-             "criteria": {"Billing": "Payments, invoices, refunds", "Technical": "Bugs, outages, integrations",
-                          "Sales": "Pricing, upgrades, new contracts", "Logistics": "Deliveries and parcels"}},
-    "anger": {"type": "score", "instructions": "How frustrated is the customer?",
-              "criteria": ["Calm", "Slightly annoyed", "Frustrated", "Very angry"]},
+    "team": {
+        "type": "choice",
+        "instructions": "Which team should handle this ticket?",
+        "criteria": {
+            "Billing": "Payments, invoices, refunds",
+            "Technical": "Bugs, outages, integrations",
+            "Sales": "Pricing, upgrades, new contracts",
+            "Logistics": "Deliveries and parcels",
+        },
+    },
+    "anger": {
+        "type": "score",
+        "instructions": "How frustrated is the customer?",
+        "criteria": ["Calm", "Slightly annoyed", "Frustrated", "Very angry"],
+    },
 }
 
 
@@ -113,8 +124,13 @@ class Load:
             return {"status": "timeout", "s": time.perf_counter() - t0}
         except httpx.HTTPError as e:
             return {"status": f"error: {type(e).__name__}", "s": time.perf_counter() - t0}
-        out = {"status": r.status_code, "s": time.perf_counter() - t0, "retry_after": r.headers.get("retry-after"),
-               "retry_after_ms": r.headers.get("retry-after-ms"), "request_id": r.headers.get("x-typesafe-request-id")}
+        out = {
+            "status": r.status_code,
+            "s": time.perf_counter() - t0,
+            "retry_after": r.headers.get("retry-after"),
+            "retry_after_ms": r.headers.get("retry-after-ms"),
+            "request_id": r.headers.get("x-typesafe-request-id"),
+        }
         if r.status_code == 200:
             out["answers"] = r.json()["answers"]
         return out
@@ -125,14 +141,19 @@ class Load:
 
     async def burst(self, reqs: list[dict], n: int, retry: bool, max_attempts: int = 50) -> list[dict]:
         async with self.client(n) as c:
+
             async def client_task(i: int) -> dict:
                 attempts = 0
                 while True:
                     attempts += 1
                     res = await self.one(c, reqs[i % len(reqs)])
                     res["i"], res["attempts"] = i, attempts
-                    if not retry or res["status"] not in (429, 503) or attempts >= max_attempts \
-                            or time.monotonic() > self.deadline:
+                    if (
+                        not retry
+                        or res["status"] not in (429, 503)
+                        or attempts >= max_attempts
+                        or time.monotonic() > self.deadline
+                    ):
                         return res
                     # as the official SDK does: retry-after-ms when given, else Retry-After seconds
                     if res.get("retry_after_ms"):
@@ -140,25 +161,34 @@ class Load:
                     else:
                         wait = float(res.get("retry_after") or 1)
                     await asyncio.sleep(min(wait, 5.0))
+
             return await asyncio.gather(*(client_task(i) for i in range(n)))
 
     async def closed_loop(self, reqs: list[dict], concurrency: int, total: int) -> dict:
         results: list[dict] = []
         counter = iter(range(total))
         async with self.client(concurrency) as c:
+
             async def worker():
                 for i in counter:
                     if time.monotonic() > self.deadline:
                         return
                     results.append(await self.one(c, reqs[i % len(reqs)]))
+
             t0 = time.perf_counter()
             await asyncio.gather(*(worker() for _ in range(concurrency)))
             wall = time.perf_counter() - t0
         ok = [r["s"] for r in results if r["status"] == 200]
-        return {"concurrency": concurrency, "requests": len(results), "ok": len(ok), "wall_s": round(wall, 3),
-                "throughput_rps": round(len(ok) / wall, 2) if wall else None,
-                "p50_ms": _ms(percentile(ok, 50)), "p99_ms": _ms(percentile(ok, 99)),
-                "statuses": _count(r["status"] for r in results)}
+        return {
+            "concurrency": concurrency,
+            "requests": len(results),
+            "ok": len(ok),
+            "wall_s": round(wall, 3),
+            "throughput_rps": round(len(ok) / wall, 2) if wall else None,
+            "p50_ms": _ms(percentile(ok, 50)),
+            "p99_ms": _ms(percentile(ok, 99)),
+            "statuses": _count(r["status"] for r in results),
+        }
 
 
 def _ms(s: float | None) -> float | None:
@@ -209,8 +239,17 @@ async def steady(load: Load, reqs: list[dict], concurrency: int, requests: int, 
     return result
 
 
-async def run_load(url: str, *, key: str | None = None, burst: int = 200, distinct: int = 8, requests: int = 64,
-                   timeout: float = 120.0, budget_s: float = 600.0, retry_phase: bool = True) -> dict:
+async def run_load(
+    url: str,
+    *,
+    key: str | None = None,
+    burst: int = 200,
+    distinct: int = 8,
+    requests: int = 64,
+    timeout: float = 120.0,
+    budget_s: float = 600.0,
+    retry_phase: bool = True,
+) -> dict:
     """All four phases against `url` (loopback). Returns the report; report["failures"] lists broken checks."""
     check_loopback(url)
     load = Load(url, key, timeout, time.monotonic() + budget_s)
@@ -233,10 +272,14 @@ async def run_load(url: str, *, key: str | None = None, burst: int = 200, distin
         wall = time.perf_counter() - t0
         statuses = _count(r["status"] for r in res)
         ok = [r for r in res if r["status"] == 200]
-        summary = {"wall_s": round(wall, 3), "statuses": statuses, "answered": len(ok),
-                   "p50_ms": _ms(percentile([r["s"] for r in ok], 50)),
-                   "p99_ms": _ms(percentile([r["s"] for r in ok], 99)),
-                   "max_attempts": max(r["attempts"] for r in res)}
+        summary = {
+            "wall_s": round(wall, 3),
+            "statuses": statuses,
+            "answered": len(ok),
+            "p50_ms": _ms(percentile([r["s"] for r in ok], 50)),
+            "p99_ms": _ms(percentile([r["s"] for r in ok], 99)),
+            "max_attempts": max(r["attempts"] for r in res),
+        }
         report[name] = summary
         if len(res) != burst:
             failures.append(f"{name}: {burst - len(res)} requests lost")
@@ -248,8 +291,9 @@ async def run_load(url: str, *, key: str | None = None, burst: int = 200, distin
             failures.append(f"{name}: {len(no_retry_after)} refusals without Retry-After")
         differ = [r["i"] for r in ok if not same_answers(r["answers"], reference[r["i"] % distinct])]
         if differ:
-            failures.append(f"{name}: {len(differ)} answers under load differ from the answer alone "
-                            f"(e.g. #{differ[0]})")
+            failures.append(
+                f"{name}: {len(differ)} answers under load differ from the answer alone (e.g. #{differ[0]})"
+            )
         if any(not (r.get("request_id") or "").startswith("req_") for r in res if isinstance(r["status"], int)):
             failures.append(f"{name}: a response without x-typesafe-request-id")
         if retry and len(ok) != burst:
@@ -271,21 +315,28 @@ async def run_load(url: str, *, key: str | None = None, burst: int = 200, distin
 
 
 def markdown(report: dict, title: str = "Serving load test") -> str:
-    lines = [f"### {title}", "",
-             "| phase | requests | answered | statuses | p50 ms | p99 ms | wall s | throughput req/s |",
-             "|---|---:|---:|---|---:|---:|---:|---:|"]
+    lines = [
+        f"### {title}",
+        "",
+        "| phase | requests | answered | statuses | p50 ms | p99 ms | wall s | throughput req/s |",
+        "|---|---:|---:|---|---:|---:|---:|---:|",
+    ]
     for name in ("burst", "retry"):
         if name in report:
             p = report[name]
-            lines.append(f"| {name} ({report.get('burst_label', '')}) | {report['burst_size']} | {p['answered']} | "
-                         f"{json.dumps(p['statuses'])} | {p['p50_ms']} | {p['p99_ms']} | {p['wall_s']} | "
-                         f"{round(p['answered'] / p['wall_s'], 2) if p['wall_s'] else '-'} |")
+            lines.append(
+                f"| {name} ({report.get('burst_label', '')}) | {report['burst_size']} | {p['answered']} | "
+                f"{json.dumps(p['statuses'])} | {p['p50_ms']} | {p['p99_ms']} | {p['wall_s']} | "
+                f"{round(p['answered'] / p['wall_s'], 2) if p['wall_s'] else '-'} |"
+            )
     for key in ("concurrency_1", "concurrency_8"):
         if key in report:
             p = report[key]
-            lines.append(f"| closed loop, concurrency {p['concurrency']} | {p['requests']} | {p['ok']} | "
-                         f"{json.dumps(p['statuses'])} | {p['p50_ms']} | {p['p99_ms']} | {p['wall_s']} | "
-                         f"{p['throughput_rps']} |")
+            lines.append(
+                f"| closed loop, concurrency {p['concurrency']} | {p['requests']} | {p['ok']} | "
+                f"{json.dumps(p['statuses'])} | {p['p50_ms']} | {p['p99_ms']} | {p['wall_s']} | "
+                f"{p['throughput_rps']} |"
+            )
     if "speedup_8_vs_1" in report:
         lines += ["", f"Throughput at concurrency 8 vs 1: **{report['speedup_8_vs_1']}x**."]
     if report.get("failures"):
@@ -294,13 +345,15 @@ def markdown(report: dict, title: str = "Serving load test") -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m scripts.loadtest", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m scripts.loadtest", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--url", help="a running server on loopback (default: start `python -m serve`)")
     p.add_argument("--key", help="API key for --url")
     p.add_argument("--model", help="--model for the server this script starts (default: the embedded model)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="--dtype for the server this script starts")
+    p.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16"), help="--dtype for the server this script starts"
+    )
     p.add_argument("--max-pending", type=int, default=16, help="--max-pending for the server this script starts")
     p.add_argument("--burst", type=int, default=200)
     p.add_argument("--distinct", type=int, default=8, help="distinct request bodies")
@@ -317,13 +370,23 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from lev_jax.server.testing import ServerProcess
 
-        server_args = (["--max-pending", str(args.max_pending), "--dtype", args.dtype]
-                       + (["--model", args.model] if args.model else []))
+        server_args = ["--max-pending", str(args.max_pending), "--dtype", args.dtype] + (
+            ["--model", args.model] if args.model else []
+        )
         server = ServerProcess(server_args, startup_timeout=600).__enter__()
         url = server.url
     try:
-        report = asyncio.run(run_load(url, key=args.key, burst=args.burst, distinct=args.distinct,
-                                      requests=args.requests, timeout=args.timeout, budget_s=args.budget))
+        report = asyncio.run(
+            run_load(
+                url,
+                key=args.key,
+                burst=args.burst,
+                distinct=args.distinct,
+                requests=args.requests,
+                timeout=args.timeout,
+                budget_s=args.budget,
+            )
+        )
     finally:
         if server is not None:
             server.stop()

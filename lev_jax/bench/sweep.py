@@ -8,15 +8,17 @@ call; ``token_ratio`` = tokens of the N single calls / tokens of the batched cal
 are the state-prefix tokens the engine served from its cross-request prefix cache (the warm-up
 fills it, so the timed single calls reuse the state's prefix: that is what a server does).
 """
+
 from __future__ import annotations
 
-import warnings
 import json
 import statistics
 import sys
 import time
+import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from lev_jax.bench.evalset import EvalSet
 
@@ -30,15 +32,25 @@ DEFAULT_STATE = (
 )
 
 _NOUL = [
-    "Is the customer angry?", "Does the customer mention a refund?", "Is this a billing issue?",
-    "Does the customer threaten to cancel?", "Is the customer a premium customer?",
-    "Does the customer ask for a call back?", "Is there a deadline in the message?",
-    "Does the message mention a blocked card?", "Is the message written in English?",
-    "Does the customer say they already tried something?", "Is this message spam?",
-    "Does the message contain a phone number?", "Is the customer asking about a delivery?",
-    "Is the customer travelling soon?", "Was the customer charged more than once?",
-    "Does the customer ask to close the account?", "Is the message polite?",
-    "Does the customer mention a specific amount?", "Is this about a mobile app?",
+    "Is the customer angry?",
+    "Does the customer mention a refund?",
+    "Is this a billing issue?",
+    "Does the customer threaten to cancel?",
+    "Is the customer a premium customer?",
+    "Does the customer ask for a call back?",
+    "Is there a deadline in the message?",
+    "Does the message mention a blocked card?",
+    "Is the message written in English?",
+    "Does the customer say they already tried something?",
+    "Is this message spam?",
+    "Does the message contain a phone number?",
+    "Is the customer asking about a delivery?",
+    "Is the customer travelling soon?",
+    "Was the customer charged more than once?",
+    "Does the customer ask to close the account?",
+    "Is the message polite?",
+    "Does the customer mention a specific amount?",
+    "Is this about a mobile app?",
     "Should this ticket be escalated?",
 ]
 _CHOICE = [
@@ -83,8 +95,9 @@ def _time(fn) -> float:
     return time.perf_counter() - t0
 
 
-def run_sweep(client, state, questions: Sequence[Mapping], ns: Sequence[int] = NS, repeats: int = 3,
-              progress: bool = True) -> dict[str, Any]:
+def run_sweep(
+    client, state, questions: Sequence[Mapping], ns: Sequence[int] = NS, repeats: int = 3, progress: bool = True
+) -> dict[str, Any]:
     rows = []
     for n in ns:
         qs = _pick(questions, n)
@@ -97,37 +110,58 @@ def run_sweep(client, state, questions: Sequence[Mapping], ns: Sequence[int] = N
             t_batch.append(_time(lambda: client.ask(state, qs)))
             t_single.append(sum(_time(lambda s=s: client.ask(state, s)) for s in singles))
         tok_b = batched.input_tokens
-        tok_s = sum(a.input_tokens for a in single_asked) if all(a.input_tokens is not None for a in single_asked) else None
+        tok_s = (
+            sum(a.input_tokens for a in single_asked) if all(a.input_tokens is not None for a in single_asked) else None
+        )
         cached_s = [a.cached_input_tokens for a in single_asked]
-        row = {"n": n, "batched_s": statistics.median(t_batch), "singles_s": statistics.median(t_single),
-               "batched_tokens": tok_b, "singles_tokens": tok_s, "state_tokens": batched.state_tokens,
-               "batched_cached_tokens": batched.cached_input_tokens,
-               "singles_cached_tokens": sum(cached_s) if all(c is not None for c in cached_s) else None,
-               "batched_runs_s": t_batch, "singles_runs_s": t_single}
+        row = {
+            "n": n,
+            "batched_s": statistics.median(t_batch),
+            "singles_s": statistics.median(t_single),
+            "batched_tokens": tok_b,
+            "singles_tokens": tok_s,
+            "state_tokens": batched.state_tokens,
+            "batched_cached_tokens": batched.cached_input_tokens,
+            "singles_cached_tokens": sum(cached_s) if all(c is not None for c in cached_s) else None,
+            "batched_runs_s": t_batch,
+            "singles_runs_s": t_single,
+        }
         row["speedup"] = row["singles_s"] / row["batched_s"] if row["batched_s"] > 0 else None
         row["token_ratio"] = tok_s / tok_b if tok_b and tok_s else None
         row["batched_s_per_question"] = row["batched_s"] / n
         rows.append(row)
         if progress:
-            print(f"N={n:>2}: one call {row['batched_s']:.3f} s, {n} calls {row['singles_s']:.3f} s "
-                  f"(x{row['speedup']:.2f}); tokens {tok_b} vs {tok_s}", file=sys.stderr, flush=True)
+            print(
+                f"N={n:>2}: one call {row['batched_s']:.3f} s, {n} calls {row['singles_s']:.3f} s "
+                f"(x{row['speedup']:.2f}); tokens {tok_b} vs {tok_s}",
+                file=sys.stderr,
+                flush=True,
+            )
     return {"repeats": repeats, "rows": rows}
 
 
 def sweep_markdown(res: Mapping[str, Any], info: Mapping[str, Any] | None = None) -> str:
     lines = ["# levbench sweep: one call with N questions vs N calls with one question", ""]
     if info:
-        lines += [f"Answered by: {info.get('kind')} `{info.get('endpoint') or info.get('model')}`; "
-                  f"state tokens: {res['rows'][0].get('state_tokens')}; median of {res['repeats']} runs after a "
-                  "warm-up.", ""]
-    lines += ["| N | one call (s) | N calls (s) | speedup | s/question (one call) | tokens one call | tokens N calls "
-              "| token ratio | cached tokens (one call / N calls) |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"Answered by: {info.get('kind')} `{info.get('endpoint') or info.get('model')}`; "
+            f"state tokens: {res['rows'][0].get('state_tokens')}; median of {res['repeats']} runs after a "
+            "warm-up.",
+            "",
+        ]
+    lines += [
+        "| N | one call (s) | N calls (s) | speedup | s/question (one call) | tokens one call | tokens N calls "
+        "| token ratio | cached tokens (one call / N calls) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in res["rows"]:
         sp = "-" if r["speedup"] is None else f"{r['speedup']:.2f}"
         tr = "-" if r["token_ratio"] is None else f"{r['token_ratio']:.2f}"
-        lines.append(f"| {r['n']} | {r['batched_s']:.3f} | {r['singles_s']:.3f} | {sp} | "
-                     f"{r['batched_s_per_question']:.3f} | {r['batched_tokens']} | {r['singles_tokens']} | {tr} "
-                     f"| {r.get('batched_cached_tokens', '-')} / {r.get('singles_cached_tokens', '-')} |")
+        lines.append(
+            f"| {r['n']} | {r['batched_s']:.3f} | {r['singles_s']:.3f} | {sp} | "
+            f"{r['batched_s_per_question']:.3f} | {r['batched_tokens']} | {r['singles_tokens']} | {tr} "
+            f"| {r.get('batched_cached_tokens', '-')} / {r.get('singles_cached_tokens', '-')} |"
+        )
     return "\n".join(lines) + "\n"
 
 

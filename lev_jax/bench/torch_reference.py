@@ -27,8 +27,9 @@ def transformers_gguf_model(path):
     config.torch_dtype = torch.float32
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton,
-                                   torch_dtype=torch.float32)["tensors"]
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton, torch_dtype=torch.float32)[
+        "tensors"
+    ]
     model = AutoModelForCausalLM.from_config(config).float().eval()
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     if unexpected or not set(missing) <= {"lm_head.weight"}:

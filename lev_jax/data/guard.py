@@ -17,9 +17,9 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
 
 # The 13 S1Bench evaluation subsets (by dataset), plus HWU64, with what resolves to each.
 # Families are blocked whole where another version or translation shares items with the test set:
@@ -73,10 +73,10 @@ EVAL_DATA_ENV = "LEV_EVAL_DATA"
 class ContaminationError(RuntimeError):
     """A training source resolves to evaluation data."""
 
-    def __init__(self, violations: Sequence["Violation"]):
+    def __init__(self, violations: Sequence[Violation]):
         self.violations = list(violations)
         lines = [f"  {v.source}: {v.identifier!r} -> {v.reason}" for v in self.violations]
-        super().__init__("contamination guard refused %d source(s):\n%s" % (len(lines), "\n".join(lines)))
+        super().__init__(f"contamination guard refused {len(lines)} source(s):\n" + "\n".join(lines))
 
 
 @dataclass(frozen=True)
@@ -164,11 +164,11 @@ class Guard:
             for p in self._data_files():
                 allowed = EVAL_DATA_ALLOWED_FILES.get(p.name, "missing")
                 try:
-                    texts.update(_file_texts(p, allowed if allowed != "missing" else None,
-                                             whole=allowed == "missing"))
+                    texts.update(_file_texts(p, allowed if allowed != "missing" else None, whole=allowed == "missing"))
                 except (OSError, ValueError) as e:  # skipping it would let its rows into training
-                    raise ValueError(f"eval-data file {p} cannot be read for decontamination: "
-                                     f"{e.__class__.__name__}: {e}") from e
+                    raise ValueError(
+                        f"eval-data file {p} cannot be read for decontamination: {e.__class__.__name__}: {e}"
+                    ) from e
             self._texts = {t for t in (normalize_text(x) for x in texts) if len(t) >= 8}
         return self._texts
 
@@ -179,8 +179,9 @@ class Guard:
             return []
         return [Violation(source or identifier, identifier, f"evaluation subset {EVAL_SUBSETS[subset]}")]
 
-    def check_path(self, path: str | os.PathLike, parts: Iterable[str] = (), source: str | None = None
-                   ) -> list[Violation]:
+    def check_path(
+        self, path: str | os.PathLike, parts: Iterable[str] = (), source: str | None = None
+    ) -> list[Violation]:
         """A local file: eval-data folder membership (and JSON parts), name, and content digest."""
         raw = str(path)
         archive, _, member = raw.partition("::")
@@ -205,12 +206,19 @@ class Guard:
                 if allowed is not None:
                     bad = [x for x in parts if x not in allowed] if parts else ["(all parts)"]
                     if bad:
-                        out.append(Violation(label, raw, f"evaluation part(s) {', '.join(bad)} of {eval_name} "
-                                                          f"({how}; allowed parts: {', '.join(allowed)})"))
+                        out.append(
+                            Violation(
+                                label,
+                                raw,
+                                f"evaluation part(s) {', '.join(bad)} of {eval_name} "
+                                f"({how}; allowed parts: {', '.join(allowed)})",
+                            )
+                        )
         return out
 
-    def check_spec(self, spec, local_path: str | os.PathLike | None = None, parts: Iterable[str] | None = None
-                   ) -> list[Violation]:
+    def check_spec(
+        self, spec, local_path: str | os.PathLike | None = None, parts: Iterable[str] | None = None
+    ) -> list[Violation]:
         idents = [spec.name, spec.dataset, spec.hub_id, *spec.aliases]
         if spec.config:
             idents += [spec.config, f"{spec.hub_id}/{spec.config}"]

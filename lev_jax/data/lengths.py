@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Any, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -54,8 +55,12 @@ def stats(lengths: Iterable[int]) -> dict[str, Any]:
     a = np.asarray(list(lengths), dtype=np.int64)
     if a.size == 0:
         return {"n": 0, "mean": 0.0, "p95": 0.0, "max": 0}
-    return {"n": int(a.size), "mean": round(float(a.mean()), 2),
-            "p95": round(float(np.percentile(a, 95)), 2), "max": int(a.max())}
+    return {
+        "n": int(a.size),
+        "mean": round(float(a.mean()), 2),
+        "p95": round(float(np.percentile(a, 95)), 2),
+        "max": int(a.max()),
+    }
 
 
 def length_stats(rows_by_split: Mapping[str, list[dict[str, Any]]]) -> dict[str, Any]:

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import grain
 import numpy as np
@@ -35,9 +36,18 @@ def _perm(n: int, *key: Any) -> np.ndarray:
 class BatchPlan:
     """Deterministic length-bucketed, single-readout batches of record indices, per epoch."""
 
-    def __init__(self, readouts: Sequence[str], lengths: Sequence[int], batch_size: int, *, seed: int = 0,
-                 window_batches: int = 16, drop_remainder: bool = True, shard_index: int = 0,
-                 shard_count: int = 1):
+    def __init__(
+        self,
+        readouts: Sequence[str],
+        lengths: Sequence[int],
+        batch_size: int,
+        *,
+        seed: int = 0,
+        window_batches: int = 16,
+        drop_remainder: bool = True,
+        shard_index: int = 0,
+        shard_count: int = 1,
+    ):
         if batch_size <= 0:
             raise ValueError("batch_size must be positive")
         if len(readouts) != len(lengths):
@@ -55,8 +65,10 @@ class BatchPlan:
         self._cache: dict[int, tuple[np.ndarray, ...]] = {}
         self.batches_per_epoch = len(self.epoch(0))
         if self.batches_per_epoch == 0:
-            raise ValueError(f"no full batch of {batch_size} rows in any readout mode "
-                             f"({', '.join(f'{m}: {int((self.readouts == m).sum())}' for m in self.modes)})")
+            raise ValueError(
+                f"no full batch of {batch_size} rows in any readout mode "
+                f"({', '.join(f'{m}: {int((self.readouts == m).sum())}' for m in self.modes)})"
+            )
 
     def epoch(self, epoch: int) -> tuple[np.ndarray, ...]:
         """The batches of one epoch (computed once, the two most recent epochs kept)."""
@@ -72,17 +84,17 @@ class BatchPlan:
         for mode in self.modes:
             idx = perm[self.readouts[perm] == mode]
             for start in range(0, len(idx), self.window):
-                win = idx[start:start + self.window]
+                win = idx[start : start + self.window]
                 win = win[np.argsort(self.lengths[win], kind="stable")]
                 for b in range(0, len(win), self.batch_size):
-                    chunk = win[b:b + self.batch_size]
+                    chunk = win[b : b + self.batch_size]
                     if len(chunk) == self.batch_size or (not self.drop_remainder and len(chunk)):
                         batches.append(chunk)
         order = _perm(len(batches), self.seed, epoch, "batches")
         planned = [batches[i] for i in order]
         if self.shard_count > 1:
             usable = len(planned) - len(planned) % self.shard_count
-            planned = planned[self.shard_index:usable:self.shard_count]
+            planned = planned[self.shard_index : usable : self.shard_count]
         return tuple(planned)
 
     def batch(self, i: int) -> tuple[int, int, np.ndarray]:
@@ -118,8 +130,14 @@ class _ReadBatch(grain.transforms.Map):
             self._source = grain.sources.ArrayRecordDataSource(self.path)
         epoch, step, idx = element
         rows = [decode_row(self._source[int(i)]) for i in idx]
-        batch = {"readout": str(self.readouts[idx[0]]), "rows": rows, "index": idx.copy(),
-                 "length": np.asarray([r["length"] for r in rows], dtype=np.int32), "epoch": epoch, "step": step}
+        batch = {
+            "readout": str(self.readouts[idx[0]]),
+            "rows": rows,
+            "index": idx.copy(),
+            "length": np.asarray([r["length"] for r in rows], dtype=np.int32),
+            "epoch": epoch,
+            "step": step,
+        }
         return self.transform(batch) if self.transform is not None else batch
 
 
@@ -130,10 +148,20 @@ def load_index(data_dir: str | Path, split: str) -> dict[str, list[Any]]:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def make_dataset(data_dir: str | Path, split: str = "train", *, batch_size: int, seed: int = 0,
-                 num_epochs: int | None = 1, window_batches: int = 16, drop_remainder: bool = True,
-                 readouts: Sequence[str] | None = None, transform: Callable[[dict[str, Any]], Any] | None = None,
-                 shard_index: int = 0, shard_count: int = 1) -> grain.MapDataset:
+def make_dataset(
+    data_dir: str | Path,
+    split: str = "train",
+    *,
+    batch_size: int,
+    seed: int = 0,
+    num_epochs: int | None = 1,
+    window_batches: int = 16,
+    drop_remainder: bool = True,
+    readouts: Sequence[str] | None = None,
+    transform: Callable[[dict[str, Any]], Any] | None = None,
+    shard_index: int = 0,
+    shard_count: int = 1,
+) -> grain.MapDataset:
     """A ``grain.MapDataset`` of batches: {"readout", "rows", "index", "length", "epoch", "step"}.
 
     ``transform`` (e.g. prompt rendering + tokenization + padding) is applied to each batch.
@@ -148,16 +176,30 @@ def make_dataset(data_dir: str | Path, split: str = "train", *, batch_size: int,
         plan_ro, plan_len = ro[positions], lengths[positions]
     else:
         positions, plan_ro, plan_len = None, ro, lengths
-    plan = BatchPlan(plan_ro.tolist(), plan_len.tolist(), batch_size, seed=seed, window_batches=window_batches,
-                     drop_remainder=drop_remainder, shard_index=shard_index, shard_count=shard_count)
+    plan = BatchPlan(
+        plan_ro.tolist(),
+        plan_len.tolist(),
+        batch_size,
+        seed=seed,
+        window_batches=window_batches,
+        drop_remainder=drop_remainder,
+        shard_index=shard_index,
+        shard_count=shard_count,
+    )
     ds = grain.MapDataset.source(_PlanSource(plan, num_epochs))
     if positions is not None:
         ds = ds.map(lambda el: (el[0], el[1], positions[el[2]]))
     return ds.map(_ReadBatch(str(Path(data_dir) / f"{split}.array_record"), ro, transform))
 
 
-def make_iterator(data_dir: str | Path, split: str = "train", *, state: Mapping[str, Any] | None = None,
-                  read_options: grain.ReadOptions | None = None, **kw: Any) -> grain.DatasetIterator:
+def make_iterator(
+    data_dir: str | Path,
+    split: str = "train",
+    *,
+    state: Mapping[str, Any] | None = None,
+    read_options: grain.ReadOptions | None = None,
+    **kw: Any,
+) -> grain.DatasetIterator:
     """A checkpointable iterator (``get_state()`` / ``set_state()``) over ``make_dataset``'s batches.
 
     Reading (and ``transform``) runs on ``read_options.num_threads`` threads with prefetch; the state

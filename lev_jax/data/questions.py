@@ -47,8 +47,14 @@ def _subset(opts: list[tuple[str, str | None]], gold: str, k: int, rng: HashRng)
     return keep
 
 
-def make_question(spec: SourceSpec, ex: dict[str, Any], split: str, rng: HashRng,
-                  cfg: QuestionConfig = QuestionConfig(), negate: bool | None = None) -> dict[str, Any]:
+def make_question(
+    spec: SourceSpec,
+    ex: dict[str, Any],
+    split: str,
+    rng: HashRng,
+    cfg: QuestionConfig = QuestionConfig(),
+    negate: bool | None = None,
+) -> dict[str, Any]:
     """{question, target, target_dist, n_options, band, negated, full_options, canonical}."""
     canonical = split == "test"
     if spec.primitive == CHOICE:
@@ -82,17 +88,32 @@ def make_question(spec: SourceSpec, ex: dict[str, Any], split: str, rng: HashRng
         instructions = spec.instructions[0] if split != "train" else rng.choice(spec.instructions)
         criteria = {key: desc for key, desc in chosen}
         dist = [1.0 if key == target else 0.0 for key in criteria]
-        return dict(question={"type": CHOICE, "instructions": instructions, "criteria": criteria},
-                    target=target, target_dist=dist, n_options=len(criteria), band=band_of(len(criteria)),
-                    negated=False, full_options=full, canonical=canonical)
+        return dict(
+            question={"type": CHOICE, "instructions": instructions, "criteria": criteria},
+            target=target,
+            target_dist=dist,
+            n_options=len(criteria),
+            band=band_of(len(criteria)),
+            negated=False,
+            full_options=full,
+            canonical=canonical,
+        )
     if spec.primitive == SCORE:
         paraphrases = spec.aspect_instructions[ex["aspect"]] if spec.aspect_instructions else spec.instructions
         instructions = paraphrases[0] if split != "train" else rng.choice(paraphrases)
         levels = list(spec.levels)
         dist = [1.0 if i == ex["label"] else 0.0 for i in range(len(levels))]
         q = {"type": SCORE, "instructions": instructions, "criteria": levels}
-        return dict(question=q, target=ex["label"], target_dist=dist, n_options=len(levels),
-                    band=band_of(len(levels)), negated=False, full_options=True, canonical=canonical)
+        return dict(
+            question=q,
+            target=ex["label"],
+            target_dist=dist,
+            n_options=len(levels),
+            band=band_of(len(levels)),
+            negated=False,
+            full_options=True,
+            canonical=canonical,
+        )
     # Noul
     assert spec.yes_no is not None
     if negate is None:
@@ -108,9 +129,16 @@ def make_question(spec: SourceSpec, ex: dict[str, Any], split: str, rng: HashRng
     answer_yes = bool(ex["label"]) != bool(negate)
     target = RATING_YES if answer_yes else RATING_NO
     dist = [1.0 if r == target else 0.0 for r in range(RATING_LEVELS)]
-    return dict(question={"type": NOUL, "instructions": instructions, "criteria": criteria},
-                target=target, target_dist=dist, n_options=2, band=band_of(2), negated=bool(negate),
-                full_options=True, canonical=canonical and not negate)
+    return dict(
+        question={"type": NOUL, "instructions": instructions, "criteria": criteria},
+        target=target,
+        target_dist=dist,
+        n_options=2,
+        band=band_of(2),
+        negated=bool(negate),
+        full_options=True,
+        canonical=canonical and not negate,
+    )
 
 
 def uniform_dist(question: dict[str, Any]) -> list[float]:

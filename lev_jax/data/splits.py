@@ -11,7 +11,8 @@ from __future__ import annotations
 import hashlib
 import re
 import unicodedata
-from typing import Any, MutableSequence, Sequence, TypeVar
+from collections.abc import MutableSequence, Sequence
+from typing import Any, TypeVar
 
 from lev_jax.domain import BAND_RANGES, BANDS
 
@@ -79,7 +80,7 @@ class HashRng:
         self._counter = 0
 
     def u64(self) -> int:
-        d = hashlib.blake2b(f"{self._key}{_SEP}{self._counter}".encode("utf-8"), digest_size=8).digest()
+        d = hashlib.blake2b(f"{self._key}{_SEP}{self._counter}".encode(), digest_size=8).digest()
         self._counter += 1
         return int.from_bytes(d, "big")
 

@@ -27,7 +27,9 @@ def rotten_tomatoes_csv(n: int = 400, seed: int = 0) -> bytes:
     for i in range(n):
         film = rng.choice(_FILMS)
         if i % 10 == 9:
-            w.writerow(["plot", f"In {film}, a drifter number {i} returns home to settle an old debt.", f"m{i}", "False"])
+            w.writerow(
+                ["plot", f"In {film}, a drifter number {i} returns home to settle an old debt.", f"m{i}", "False"]
+            )
             continue
         fresh = rng.random() < 0.55
         words = _GOOD if fresh else _BAD

@@ -62,8 +62,7 @@ def embedded_default_path() -> Path:
             return candidate
     where = f" (looked in {', '.join(map(str, locations))})" if locations else ""
     raise FileNotFoundError(
-        f"the embedded default model {EMBEDDED_GGUF_NAME} is not installed{where}; "
-        f"install it with `{_INSTALL_HINT}`"
+        f"the embedded default model {EMBEDDED_GGUF_NAME} is not installed{where}; install it with `{_INSTALL_HINT}`"
     )
 
 
@@ -293,8 +292,7 @@ class GGUFCheckpoint:
                 ) from e
             except Exception as e:
                 raise CheckpointError(
-                    f"{self.path}: tensor {gguf_name!r} ({t.tensor_type.name}) cannot be read: "
-                    f"{type(e).__name__}: {e}"
+                    f"{self.path}: tensor {gguf_name!r} ({t.tensor_type.name}) cannot be read: {type(e).__name__}: {e}"
                 ) from e
             if array.size != int(np.prod(shape)):
                 raise CheckpointError(

@@ -49,8 +49,7 @@ def open_reader(path: str | os.PathLike):
         reader = gguf.GGUFReader(path, "r")
     except Exception as e:  # numpy/gguf errors from reading past the end or garbage counts
         raise CheckpointError(
-            f"{path}: corrupt or truncated GGUF file ({size} bytes): {_diagnose(path, size)} "
-            f"[{type(e).__name__}: {e}]"
+            f"{path}: corrupt or truncated GGUF file ({size} bytes): {_diagnose(path, size)} [{type(e).__name__}: {e}]"
         ) from e
     for t in reader.tensors:
         end = int(t.data_offset) + int(t.n_bytes)

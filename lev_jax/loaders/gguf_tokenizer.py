@@ -55,10 +55,7 @@ _PRE_KINDS: dict[str, tuple[str | None, bool, bool, bool]] = {
 _GGUF_PRE_TYPES: dict[str, str] = {
     **{name: "gpt2" for name in ("default", "gpt2", "gpt-2", "mpt", "olmo", "jais")},
     # llama.cpp: `\p{N}` first, then the GPT-2 regex -- what HF's Digits(individual)+ByteLevel does.
-    **{
-        name: "starcoder"
-        for name in ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
-    },
+    **{name: "starcoder" for name in ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")},
     **{name: "llama3" for name in ("llama3", "llama-bpe", "llama-v3", "falcon3", "smaug-bpe", "dbrx")},
     **{name: "qwen2" for name in ("qwen2", "deepseek-r1-qwen")},
     "qwen35": "qwen35",
@@ -94,9 +91,7 @@ def tokenizer_from_gguf(reader_or_path: Any) -> Tokenizer:
 
     model = get("tokenizer.ggml.model")
     if model != "gpt2":
-        raise CheckpointError(
-            f"{where}: tokenizer.ggml.model is {model!r}; only 'gpt2' (byte-level BPE) is supported"
-        )
+        raise CheckpointError(f"{where}: tokenizer.ggml.model is {model!r}; only 'gpt2' (byte-level BPE) is supported")
     tokens = get("tokenizer.ggml.tokens")
     merges = get("tokenizer.ggml.merges")
     if not isinstance(tokens, list) or not tokens:
@@ -110,9 +105,7 @@ def tokenizer_from_gguf(reader_or_path: Any) -> Tokenizer:
         )
     pre = get("tokenizer.ggml.pre", "default")
     if pre not in _GGUF_PRE_TYPES:
-        raise CheckpointError(
-            f"{where}: tokenizer.ggml.pre {pre!r} is not supported; known: {sorted(_GGUF_PRE_TYPES)}"
-        )
+        raise CheckpointError(f"{where}: tokenizer.ggml.pre {pre!r} is not supported; known: {sorted(_GGUF_PRE_TYPES)}")
 
     def token_id(key: str) -> int | None:
         value = get(key, None)

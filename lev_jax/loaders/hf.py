@@ -1,5 +1,6 @@
 """HF checkpoints: a directory with config.json and safetensors (single file or sharded index),
 or a hub id (downloaded where the hub is reachable)."""
+
 from __future__ import annotations
 
 import json
@@ -85,8 +86,13 @@ def iter_tensors(files):
 def load_params(ckpt_dir: Path, cfg, abstract: dict, *, source: str | None = None) -> dict:
     """Stream every shard into the parameter tree of `cfg`, cast to the tree's dtypes."""
     cast = lambda path, arr: jnp.asarray(arr, dtype=_at(abstract, path).dtype)
-    return name_map.assemble(iter_tensors(shard_files(ckpt_dir)), abstract, cast,
-                             tied=cfg.tie_word_embeddings, source=source or str(ckpt_dir))
+    return name_map.assemble(
+        iter_tensors(shard_files(ckpt_dir)),
+        abstract,
+        cast,
+        tied=cfg.tie_word_embeddings,
+        source=source or str(ckpt_dir),
+    )
 
 
 def _at(tree, path):

@@ -6,6 +6,7 @@ from the NNX module names, which mirror HF's (layers.N.self_attn.q_proj, ...):
 `...X.weight` becomes `X.kernel` (transposed: HF stores [out, in]) when X is a Linear,
 `X.embedding` when X is an Embed, and stays `X.weight` for norms.
 """
+
 from __future__ import annotations
 
 import re
@@ -37,7 +38,7 @@ def resolve(hf_name: str, expected: dict):
     for prefix in PREFIXES:
         if not hf_name.startswith(prefix):
             continue
-        rest = hf_name[len(prefix):]
+        rest = hf_name[len(prefix) :]
         parts = rest.split(".")
         *module, leaf = parts
         base = _to_path(module)

@@ -4,6 +4,7 @@
 nested dict of arrays, the NNX-split state) inside the trace, so callers can jit it, shard params by
 path, or merge a LoRA tree into `params` first.
 """
+
 from __future__ import annotations
 
 import functools
@@ -19,8 +20,12 @@ from lev_jax.models.llama import LlamaConfig
 from lev_jax.models.qwen3_5 import Qwen3_5Config
 
 CONFIGS = {
-    "llama": LlamaConfig, "mistral": LlamaConfig, "qwen2": LlamaConfig, "qwen3": LlamaConfig,
-    "qwen3_5": Qwen3_5Config, "qwen3_5_text": Qwen3_5Config,
+    "llama": LlamaConfig,
+    "mistral": LlamaConfig,
+    "qwen2": LlamaConfig,
+    "qwen3": LlamaConfig,
+    "qwen3_5": Qwen3_5Config,
+    "qwen3_5_text": Qwen3_5Config,
 }
 
 
@@ -49,13 +54,23 @@ def bind(params, cfg):
     return nnx.merge(graphdef, params)
 
 
-def forward(params, tokens_BT, cache, cfg, *, valid_BT=None, positions_BT=None, readout_BR=None,
-            cache_write: CacheWrite = CacheWrite.APPEND, anchored_softmax: bool = False, remat: str = "none"):
+def forward(
+    params,
+    tokens_BT,
+    cache,
+    cfg,
+    *,
+    valid_BT=None,
+    positions_BT=None,
+    readout_BR=None,
+    cache_write: CacheWrite = CacheWrite.APPEND,
+    anchored_softmax: bool = False,
+    remat: str = "none",
+):
     """(hidden, new_cache): the final-normed hidden state at `readout_BR` (or every new token), and the
     cache as `cache_write` asks (CausalLM.__call__). `remat`: a REMAT_POLICIES name, how each
     layer is rematerialised when this is differentiated."""
-    return bind(params, cfg)(tokens_BT, cache, valid_BT, positions_BT, readout_BR, cache_write, anchored_softmax,
-                             remat)
+    return bind(params, cfg)(tokens_BT, cache, valid_BT, positions_BT, readout_BR, cache_write, anchored_softmax, remat)
 
 
 def head_logits(params, hidden, cfg, token_ids=None):

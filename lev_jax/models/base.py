@@ -3,6 +3,7 @@
 Subclasses build `self.layers` (an nnx.List of layers with the call signature
 `layer(x, ctx: Context, layer_cache) -> (x, new_layer_cache)`) and say how big the rotary slice is.
 """
+
 from __future__ import annotations
 
 import types
@@ -19,11 +20,13 @@ from lev_jax.models.layers import dense, rope_cos_sin
 # under (None: no checkpoint, the plain call). Under a policy the backward pass keeps only each
 # layer's inputs and what the policy saves, and recomputes the rest of that layer: activation
 # memory of a training step then grows with one layer's intermediates, not all of them.
-REMAT_POLICIES = types.MappingProxyType({
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,  # save nothing: least memory, ~1 extra forward
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep the weight matmuls' outputs
-})
+REMAT_POLICIES = types.MappingProxyType(
+    {
+        "none": None,
+        "full": jax.checkpoint_policies.nothing_saveable,  # save nothing: least memory, ~1 extra forward
+        "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep the weight matmuls' outputs
+    }
+)
 
 
 def remat_policy(name: str):
@@ -58,8 +61,17 @@ class CausalLM(nnx.Module):
             self.lm_head = dense(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
         self.tied = cfg.tie_word_embeddings
 
-    def __call__(self, tokens_BT, cache=None, valid_BT=None, positions_BT=None, readout_BR=None,
-                 cache_write: CacheWrite = CacheWrite.APPEND, anchored_softmax: bool = False, remat: str = "none"):
+    def __call__(
+        self,
+        tokens_BT,
+        cache=None,
+        valid_BT=None,
+        positions_BT=None,
+        readout_BR=None,
+        cache_write: CacheWrite = CacheWrite.APPEND,
+        anchored_softmax: bool = False,
+        remat: str = "none",
+    ):
         """Run T new tokens after `cache` (None: no context). Returns (hidden, new_cache) where hidden
         is the final-normed state at `readout_BR` ([B, R, E], indices into the T new tokens) or at
         every new token ([B, T, E]), and new_cache is as `cache_write` asks (CacheWrite): the cache
@@ -72,8 +84,9 @@ class CausalLM(nnx.Module):
         `remat`: a REMAT_POLICIES name, how each decoder layer is rematerialised under jax.grad
         (the forward values are the same under every policy)."""
         if not isinstance(cache_write, CacheWrite):
-            raise ValueError(f"cache_write must be a CacheWrite ({', '.join(m.name for m in CacheWrite)}), "
-                             f"not {cache_write!r}")
+            raise ValueError(
+                f"cache_write must be a CacheWrite ({', '.join(m.name for m in CacheWrite)}), not {cache_write!r}"
+            )
         policy = remat_policy(remat)
         B, T = tokens_BT.shape
         if valid_BT is None:
@@ -82,11 +95,14 @@ class CausalLM(nnx.Module):
             positions_BT = cache_lib.positions_for(cache, valid_BT)
         cos, sin = rope_cos_sin(positions_BT, self.rot_dim, self.rope_theta)
         ctx = Context(
-            cos=cos, sin=sin, valid=valid_BT,
+            cos=cos,
+            sin=sin,
+            valid=valid_BT,
             cache_valid=None if cache is None else cache["valid"],
             offset=None if cache is None else cache["offset"],
             seg_valid=None if cache is None else cache.get("seg_valid"),
-            cache_write=cache_write, anchored_softmax=anchored_softmax,
+            cache_write=cache_write,
+            anchored_softmax=anchored_softmax,
         )
         x = self.embed_tokens(tokens_BT).astype(jnp.float32)  # the residual stream is fp32 (layers.py)
         new_layers = []

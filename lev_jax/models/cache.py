@@ -18,6 +18,7 @@ that both option orders of a question continue. Attention layers keep the shared
 "seg_valid" [B, Sg] marks real segment tokens and "pos" counts prefix + segment. Rows continuing a
 segment read it (`select_rows` picks each row's) and never write it.
 """
+
 from __future__ import annotations
 
 import jax
@@ -57,9 +58,7 @@ def grow(cache: dict, slots: int) -> dict:
         widths[axis] = (0, extra)
         return jnp.pad(x, widths)
 
-    layers = tuple(
-        {name: pad(arr, SLOT_AXIS.get(name)) for name, arr in layer.items()} for layer in cache["layers"]
-    )
+    layers = tuple({name: pad(arr, SLOT_AXIS.get(name)) for name, arr in layer.items()} for layer in cache["layers"])
     return {**cache, "valid": pad(cache["valid"], 1), "layers": layers}
 
 
@@ -76,8 +75,12 @@ def advance(cache: dict | None, batch: int, valid_BT, layers: tuple) -> dict:
     cache the result holds exactly the T new slots."""
     if cache is None:
         T = valid_BT.shape[1]
-        return {"offset": jnp.asarray(T, jnp.int32), "valid": valid_BT,
-                "pos": valid_BT.sum(axis=1).astype(jnp.int32), "layers": tuple(layers)}
+        return {
+            "offset": jnp.asarray(T, jnp.int32),
+            "valid": valid_BT,
+            "pos": valid_BT.sum(axis=1).astype(jnp.int32),
+            "layers": tuple(layers),
+        }
     valid = write_slots(cache["valid"], valid_BT, cache["offset"], batch)
     pos = jnp.broadcast_to(cache["pos"], (batch,)) + valid_BT.sum(axis=1).astype(jnp.int32)
     return {"offset": cache["offset"] + valid_BT.shape[1], "valid": valid, "pos": pos, "layers": tuple(layers)}
@@ -90,8 +93,13 @@ def with_segment(cache: dict, valid_BT, layers: tuple) -> dict:
     """The shared `cache` plus B rows of T segment tokens (layers already computed by the model)."""
     B = valid_BT.shape[0]
     pos = jnp.broadcast_to(cache["pos"], (B,)) + valid_BT.sum(axis=1).astype(jnp.int32)
-    return {"offset": cache["offset"], "valid": cache["valid"], "pos": pos, "seg_valid": valid_BT,
-            "layers": tuple(layers)}
+    return {
+        "offset": cache["offset"],
+        "valid": cache["valid"],
+        "pos": pos,
+        "seg_valid": valid_BT,
+        "layers": tuple(layers),
+    }
 
 
 def select_rows(cache: dict, rows_B) -> dict:
@@ -107,7 +115,13 @@ def concat_segments(parts: list[dict]) -> dict:
         return parts[0]
     cat = lambda *xs: jnp.concatenate(xs, axis=0)
     first = parts[0]
-    layers = tuple({k: cat(*(p["layers"][i][k] for p in parts)) if k in SEGMENT_ROW_KEYS else v
-                    for k, v in layer.items()} for i, layer in enumerate(first["layers"]))
-    return {**first, "pos": cat(*(p["pos"] for p in parts)), "seg_valid": cat(*(p["seg_valid"] for p in parts)),
-            "layers": layers}
+    layers = tuple(
+        {k: cat(*(p["layers"][i][k] for p in parts)) if k in SEGMENT_ROW_KEYS else v for k, v in layer.items()}
+        for i, layer in enumerate(first["layers"])
+    )
+    return {
+        **first,
+        "pos": cat(*(p["pos"] for p in parts)),
+        "seg_valid": cat(*(p["seg_valid"] for p in parts)),
+        "layers": layers,
+    }

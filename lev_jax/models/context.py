@@ -5,6 +5,7 @@ and pass through `jax.checkpoint` as leaves), its modes are static metadata (par
 so a layer can branch on them in Python). A new per-call input (a sharding spec, a LoRA scale) is
 one more field here, not another string key.
 """
+
 from __future__ import annotations
 
 import dataclasses

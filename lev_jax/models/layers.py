@@ -7,6 +7,7 @@ Mixed precision: `dtype` is the weights' dtype and the matmuls' input dtype; eve
 and returns fp32, and the residual stream, norm statistics, softmax and recurrent state stay fp32.
 With bf16 weights the matmuls run at the bf16 rate (AMX / tensor cores), the rest keeps fp32 accuracy.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,8 +26,15 @@ _MASKED = -1e30
 def dense(in_features: int, out_features: int, *, bias: bool = False, dtype, rngs: nnx.Rngs) -> nnx.Linear:
     """A linear layer with `dtype` weights whose matmul casts its input to `dtype` and returns fp32.
     (XLA:CPU runs bf16 x bf16 -> fp32 on AMX at ~5x the fp32 rate; bf16 -> bf16 is no faster than fp32.)"""
-    return nnx.Linear(in_features, out_features, use_bias=bias, dtype=dtype, param_dtype=dtype,
-                      preferred_element_type=jnp.float32, rngs=rngs)
+    return nnx.Linear(
+        in_features,
+        out_features,
+        use_bias=bias,
+        dtype=dtype,
+        param_dtype=dtype,
+        preferred_element_type=jnp.float32,
+        rngs=rngs,
+    )
 
 
 class RMSNorm(nnx.Module):
@@ -97,8 +105,19 @@ def apply_rope(x_BTHD, cos_BTF, sin_BTF):
 ANCHOR_OFFSET = 87 * math.log(2)
 
 
-def attend(q_BTHD, k_BTKD, v_BTKD, valid_BT, cache_k_BKDS, cache_v_BKSD, cache_valid_BS, scale: float,
-           dtype=None, anchored: bool = False, segment=None):
+def attend(
+    q_BTHD,
+    k_BTKD,
+    v_BTKD,
+    valid_BT,
+    cache_k_BKDS,
+    cache_v_BKSD,
+    cache_valid_BS,
+    scale: float,
+    dtype=None,
+    anchored: bool = False,
+    segment=None,
+):
     """Causal GQA attention of T new queries over (cached slots, then the T new keys).
 
     The cache may hold 1 row shared by all B query rows (a forked prefix, read in place and never
@@ -141,12 +160,19 @@ def attend(q_BTHD, k_BTKD, v_BTKD, valid_BT, cache_k_BKDS, cache_v_BKSD, cache_v
     blocks = []  # cached blocks: (keys, values, bias, shared by every row)
     if has_cache:
         bias_cache_B1S = jnp.where(cache_valid_BS[:, None, :], 0.0, _MASKED).astype(f32)
-        blocks.append((cache_k_BKDS.astype(dt), cache_v_BKSD.astype(dt),
-                       _materialize(bias_cache_B1S[0, 0]) if shared else bias_cache_B1S, shared))
+        blocks.append(
+            (
+                cache_k_BKDS.astype(dt),
+                cache_v_BKSD.astype(dt),
+                _materialize(bias_cache_B1S[0, 0]) if shared else bias_cache_B1S,
+                shared,
+            )
+        )
     if segment is not None:
         seg_k, seg_v, seg_valid_BS = segment
-        blocks.append((seg_k.astype(dt), seg_v.astype(dt),
-                       jnp.where(seg_valid_BS[:, None, :], 0.0, _MASKED).astype(f32), False))
+        blocks.append(
+            (seg_k.astype(dt), seg_v.astype(dt), jnp.where(seg_valid_BS[:, None, :], 0.0, _MASKED).astype(f32), False)
+        )
 
     def weights(s, m):  # `dtype` weights for the value product, and their exact fp32 sum
         p = jnp.exp(s - m).astype(dt)
@@ -188,8 +214,10 @@ def attend(q_BTHD, k_BTKD, v_BTKD, valid_BT, cache_k_BKDS, cache_v_BKSD, cache_v
 def kv_cache(batch: int, kv_heads: int, slots: int, head_dim: int, dtype) -> dict:
     """An empty attention cache entry: keys [B, K, D, S] (stored transposed, so scores are plain
     [R, D] x [D, S] matmuls; XLA:CPU runs the transposed-operand form ~3x slower), values [B, K, S, D]."""
-    return {"k": jnp.zeros((batch, kv_heads, head_dim, slots), dtype),
-            "v": jnp.zeros((batch, kv_heads, slots, head_dim), dtype)}
+    return {
+        "k": jnp.zeros((batch, kv_heads, head_dim, slots), dtype),
+        "v": jnp.zeros((batch, kv_heads, slots, head_dim), dtype),
+    }
 
 
 def write_slots(buf, new, offset, batch: int, axis: int = 1):
@@ -208,8 +236,20 @@ class Attention(nnx.Module):
     (`output_gate`: q_proj is doubled and sigmoid(gate) scales the output; `qk_norm="zero_centered"`;
     partial rotary via the cos/sin width)."""
 
-    def __init__(self, dim, num_heads, num_kv_heads, head_dim, *, eps, qkv_bias=False, qk_norm=None,
-                 output_gate=False, dtype, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        dim,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        *,
+        eps,
+        qkv_bias=False,
+        qk_norm=None,
+        output_gate=False,
+        dtype,
+        rngs: nnx.Rngs,
+    ):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.output_gate = output_gate
         lin = lambda i, o, b: dense(i, o, bias=b, dtype=dtype, rngs=rngs)
@@ -247,9 +287,19 @@ class Attention(nnx.Module):
             ck, cv = layer_cache["k"], layer_cache["v"]
             if "seg_k" in layer_cache:
                 segment = (layer_cache["seg_k"], layer_cache["seg_v"], ctx.seg_valid)
-        out = attend(q_BTHD, k_BTKD, v_BTKD, ctx.valid, ck, cv, ctx.cache_valid, D**-0.5,
-                     dtype=self.o_proj.kernel.dtype, anchored=ctx.anchored_softmax,
-                     segment=segment).reshape(B, T, H * D)
+        out = attend(
+            q_BTHD,
+            k_BTKD,
+            v_BTKD,
+            ctx.valid,
+            ck,
+            cv,
+            ctx.cache_valid,
+            D**-0.5,
+            dtype=self.o_proj.kernel.dtype,
+            anchored=ctx.anchored_softmax,
+            segment=segment,
+        ).reshape(B, T, H * D)
         if gate_BTX is not None:
             out = out * jax.nn.sigmoid(gate_BTX)
         k_BKDT, v_BKTD = k_BTKD.transpose(0, 2, 3, 1), v_BTKD.transpose(0, 2, 1, 3)
@@ -265,6 +315,8 @@ class Attention(nnx.Module):
         elif layer_cache is None:  # a cache of exactly these T slots, in the cache dtype (the weights')
             new_cache = {"k": k_BKDT.astype(dt), "v": v_BKTD.astype(dt)}
         else:
-            new_cache = {"k": write_slots(ck, k_BKDT, ctx.offset, B, axis=3),
-                         "v": write_slots(cv, v_BKTD, ctx.offset, B, axis=2)}
+            new_cache = {
+                "k": write_slots(ck, k_BKDT, ctx.offset, B, axis=3),
+                "v": write_slots(cv, v_BKTD, ctx.offset, B, axis=2),
+            }
         return self.o_proj(out), new_cache

@@ -4,11 +4,26 @@ only), and logits -> calibrated probabilities -> Jev answers (`compose`)."""
 
 from lev_jax.readout.compose import answer, question_probs, readout_probs, run
 from lev_jax.readout.execute import Executor, Usage
-from lev_jax.readout.logits import (RowBatch, pack_prefixes, pack_rows, prefixed_label_logits,
-                                    rows_label_logits)
-from lev_jax.readout.plan import (Planner, QuestionPlan, Readout, RequestPlan, Row, check_limits,
-                                  normalize_question)
+from lev_jax.readout.logits import RowBatch, pack_prefixes, pack_rows, prefixed_label_logits, rows_label_logits
+from lev_jax.readout.plan import Planner, QuestionPlan, Readout, RequestPlan, Row, check_limits, normalize_question
 
-__all__ = ["Executor", "Planner", "QuestionPlan", "Readout", "RequestPlan", "Row", "RowBatch", "Usage", "answer",
-           "check_limits", "normalize_question", "pack_prefixes", "pack_rows", "prefixed_label_logits",
-           "question_probs", "readout_probs", "rows_label_logits", "run"]
+__all__ = [
+    "Executor",
+    "Planner",
+    "QuestionPlan",
+    "Readout",
+    "RequestPlan",
+    "Row",
+    "RowBatch",
+    "Usage",
+    "answer",
+    "check_limits",
+    "normalize_question",
+    "pack_prefixes",
+    "pack_rows",
+    "prefixed_label_logits",
+    "question_probs",
+    "readout_probs",
+    "rows_label_logits",
+    "run",
+]

@@ -26,33 +26,49 @@ def readout_probs(ro: Readout, logits_per_row: Sequence[np.ndarray], calibration
     return calibration.readout(arrs, ro.qtype, ro.mode, n_options, maps=ro.maps)
 
 
-def run(plans: list[RequestPlan], reader: Reader, usages: list[Usage], planner: Planner,
-        calibration: Calibration) -> list[dict]:
+def run(
+    plans: list[RequestPlan], reader: Reader, usages: list[Usage], planner: Planner, calibration: Calibration
+) -> list[dict]:
     """Answers of every plan: round 1 (every readout of every plan), round 2 (the group winners of
     large choices), then composition."""
     round1 = [[ro for qp in plan.questions for ro in qp.readouts] for plan in plans]
-    logits = reader([(plan.prefix_ids, [r for ro in ros for r in ro.rows]) for plan, ros in zip(plans, round1)],
-                    usages)
+    logits = reader([(plan.prefix_ids, [r for ro in ros for r in ro.rows]) for plan, ros in zip(plans, round1)], usages)
     probs = []  # per plan, per question: the round-1 distribution of each readout
     for plan, per_plan in zip(plans, logits):
         it = iter(per_plan)
-        probs.append([[readout_probs(ro, [next(it) for _ in ro.rows], calibration) for ro in qp.readouts]
-                      for qp in plan.questions])
-    finals = [{qi: planner.winners_readout(plan.state_text, qp, [g[int(np.argmax(p))] for g, p in zip(qp.groups, ps)])
-               for qi, (qp, ps) in enumerate(zip(plan.questions, per_plan)) if qp.groups is not None}
-              for plan, per_plan in zip(plans, probs)]
+        probs.append(
+            [
+                [readout_probs(ro, [next(it) for _ in ro.rows], calibration) for ro in qp.readouts]
+                for qp in plan.questions
+            ]
+        )
+    finals = [
+        {
+            qi: planner.winners_readout(plan.state_text, qp, [g[int(np.argmax(p))] for g, p in zip(qp.groups, ps)])
+            for qi, (qp, ps) in enumerate(zip(plan.questions, per_plan))
+            if qp.groups is not None
+        }
+        for plan, per_plan in zip(plans, probs)
+    ]
     final_p: list[dict] = [{} for _ in plans]
     todo = [k for k, f in enumerate(finals) if f]
     if todo:
-        logits2 = reader([(plans[k].prefix_ids, [r for ro in finals[k].values() for r in ro.rows]) for k in todo],
-                         [usages[k] for k in todo])
+        logits2 = reader(
+            [(plans[k].prefix_ids, [r for ro in finals[k].values() for r in ro.rows]) for k in todo],
+            [usages[k] for k in todo],
+        )
         for k, per_plan in zip(todo, logits2):
             it = iter(per_plan)
-            final_p[k] = {qi: readout_probs(ro, [next(it) for _ in ro.rows], calibration)
-                          for qi, ro in finals[k].items()}
-    return [{qp.qid: answer(qp, question_probs(qp, ps, fp.get(qi)))
-             for qi, (qp, ps) in enumerate(zip(plan.questions, per_plan))}
-            for plan, per_plan, fp in zip(plans, probs, final_p)]
+            final_p[k] = {
+                qi: readout_probs(ro, [next(it) for _ in ro.rows], calibration) for qi, ro in finals[k].items()
+            }
+    return [
+        {
+            qp.qid: answer(qp, question_probs(qp, ps, fp.get(qi)))
+            for qi, (qp, ps) in enumerate(zip(plan.questions, per_plan))
+        }
+        for plan, per_plan, fp in zip(plans, probs, final_p)
+    ]
 
 
 def question_probs(qp: QuestionPlan, round1: list, round2=None):
@@ -86,11 +102,19 @@ def answer(qp: QuestionPlan, p) -> dict:
     if q["type"] == domain.CHOICE:
         keys = list(q["criteria"])
         p = p / p.sum()
-        return {"type": "choice", "choice": keys[int(np.argmax(p))],
-                "probabilities": {k: float(v) for k, v in zip(keys, p)}, "confidence": choice_confidence(p)}
+        return {
+            "type": "choice",
+            "choice": keys[int(np.argmax(p))],
+            "probabilities": {k: float(v) for k, v in zip(keys, p)},
+            "confidence": choice_confidence(p),
+        }
     if q["type"] == domain.SCORE:
         p = p / p.sum()
-        return {"type": "score", "score": float((np.arange(len(p)) * p).sum()),
-                "legend": {str(i): level for i, level in enumerate(q["criteria"])},
-                "probabilities": {str(i): float(v) for i, v in enumerate(p)}, "confidence": score_confidence(p)}
+        return {
+            "type": "score",
+            "score": float((np.arange(len(p)) * p).sum()),
+            "legend": {str(i): level for i, level in enumerate(q["criteria"])},
+            "probabilities": {str(i): float(v) for i, v in enumerate(p)},
+            "confidence": score_confidence(p),
+        }
     return {"type": "noul", "noul": float(p)}

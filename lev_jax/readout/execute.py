@@ -82,8 +82,9 @@ class Executor:
             return buckets.fit(max(len(rows[i].tokens) for i in g), buckets.SUFFIX, "question length")
 
         def fits(g):
-            return len(g) == 1 or (len(g) <= buckets.ROWS[-1]
-                                   and buckets.fit(len(g), buckets.ROWS, "rows") * suffix(g) <= cap)
+            return len(g) == 1 or (
+                len(g) <= buckets.ROWS[-1] and buckets.fit(len(g), buckets.ROWS, "rows") * suffix(g) <= cap
+            )
 
         groups, current = [], []
         for i in order:
@@ -97,9 +98,15 @@ class Executor:
             even = [order[j : j + size] for j in range(0, len(order), size)]
             if len(even) == len(groups) and all(map(fits, even)):
                 groups = even
-        return [Call(g, buckets.fit(len(g), buckets.ROWS, "rows"), suffix(g),
-                     buckets.fit(max(len(rows[i].label_ids) for i in g), buckets.CODES, "label codes"))
-                for g in groups]
+        return [
+            Call(
+                g,
+                buckets.fit(len(g), buckets.ROWS, "rows"),
+                suffix(g),
+                buckets.fit(max(len(rows[i].label_ids) for i in g), buckets.CODES, "label codes"),
+            )
+            for g in groups
+        ]
 
     @staticmethod
     def segment_plan(rows: list[Row]) -> SegmentPlan | None:
@@ -143,8 +150,11 @@ class Executor:
         if seg is None:
             return keys | {("rows", pb, c.batch, c.length, c.codes) for c in self.calls(rows)}
         sg, calls = self.segment_calls(seg.headers)
-        return (keys | {("segment", pb, b, sg) for _, b in calls}
-                | {("rows", pb, sg, c.batch, c.length, c.codes) for c in self.calls(seg.rest)})
+        return (
+            keys
+            | {("segment", pb, b, sg) for _, b in calls}
+            | {("rows", pb, sg, c.batch, c.length, c.codes) for c in self.calls(seg.rest)}
+        )
 
     # -- readers -----------------------------------------------------------------------------------
     def prefix_cache(self, prefix_ids):
@@ -246,9 +256,16 @@ class Executor:
             if per_row is not None:
                 which = np.zeros((call.batch,), np.int32)
                 which[: len(call.rows)] = [per_row[i] for i in call.rows]
-            args = (bb.params, cache, None if which is None else jnp.asarray(which), jnp.asarray(batch.tokens_BT),
-                    jnp.asarray(batch.valid_BT), jnp.asarray(batch.answer_B), jnp.asarray(batch.label_ids_BC),
-                    bb.config)
+            args = (
+                bb.params,
+                cache,
+                None if which is None else jnp.asarray(which),
+                jnp.asarray(batch.tokens_BT),
+                jnp.asarray(batch.valid_BT),
+                jnp.asarray(batch.answer_B),
+                jnp.asarray(batch.label_ids_BC),
+                bb.config,
+            )
             logits = np.asarray(fn(*args))
             if not np.isfinite(logits[: len(call.rows)]).all():
                 # the anchored softmax met a cached score far above a row's own ones (layers.attend):

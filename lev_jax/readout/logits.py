@@ -53,20 +53,51 @@ def pack_prefixes(prefixes: Sequence[Sequence[int]], n: int, length: int) -> tup
     return tokens, valid
 
 
-def rows_label_logits(params, cache, prefix_B, tokens_BT, valid_BT, answer_B, label_ids_BC, cfg, *,
-                      anchored: bool = False, remat: str = "none"):
+def rows_label_logits(
+    params,
+    cache,
+    prefix_B,
+    tokens_BT,
+    valid_BT,
+    answer_B,
+    label_ids_BC,
+    cfg,
+    *,
+    anchored: bool = False,
+    remat: str = "none",
+):
     """[B, C] fp32 label logits of B rows continuing `cache`: one shared prefix (`prefix_B` None) or
     a cache stacking several prefixes, row b reading prefix `prefix_B[b]`. `anchored`: the anchored
     attention softmax (layers.attend); a row it cannot serve comes out NaN."""
     if prefix_B is not None:
         cache = jax.tree.map(lambda x: x if x.ndim == 0 else jnp.take(x, prefix_B, axis=0), cache)
-    hidden_BRE, _ = models.forward(params, tokens_BT, cache, cfg, valid_BT=valid_BT, readout_BR=answer_B[:, None],
-                                   cache_write=models.CacheWrite.NONE, anchored_softmax=anchored, remat=remat)
+    hidden_BRE, _ = models.forward(
+        params,
+        tokens_BT,
+        cache,
+        cfg,
+        valid_BT=valid_BT,
+        readout_BR=answer_B[:, None],
+        cache_write=models.CacheWrite.NONE,
+        anchored_softmax=anchored,
+        remat=remat,
+    )
     return models.label_logits(params, hidden_BRE[:, 0], label_ids_BC, cfg)
 
 
-def prefixed_label_logits(params, prefix_EP, prefix_valid_EP, prefix_B, tokens_BT, valid_BT, answer_B, label_ids_BC,
-                          cfg, *, remat: str = "none"):
+def prefixed_label_logits(
+    params,
+    prefix_EP,
+    prefix_valid_EP,
+    prefix_B,
+    tokens_BT,
+    valid_BT,
+    answer_B,
+    label_ids_BC,
+    cfg,
+    *,
+    remat: str = "none",
+):
     """[B, C] fp32 label logits of B rows after E prefixes computed here (row b continues prefix
     `prefix_B[b]`); differentiable end to end, so gradients reach the parameters through the shared
     prefix exactly as through independent full rows."""
@@ -78,15 +109,25 @@ def prefixed_label_logits(params, prefix_EP, prefix_valid_EP, prefix_B, tokens_B
 # -- the programs predict() runs -------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("cfg", "anchored"))
 def read_rows(params, cache, prefix_B, tokens_BT, valid_BT, answer_B, label_ids_BC, cfg, anchored=True):
-    return rows_label_logits(params, cache, prefix_B, tokens_BT, valid_BT, answer_B, label_ids_BC, cfg,
-                             anchored=anchored)
+    return rows_label_logits(
+        params, cache, prefix_B, tokens_BT, valid_BT, answer_B, label_ids_BC, cfg, anchored=anchored
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "anchored"))
 def read_segment_rows(params, cache, segment_B, tokens_BT, valid_BT, answer_B, label_ids_BC, cfg, anchored=True):
     """`read_rows` for rows that continue a segment cache: row b reads segment `segment_B[b]`."""
-    return rows_label_logits(params, cache_lib.select_rows(cache, segment_B), None, tokens_BT, valid_BT, answer_B,
-                             label_ids_BC, cfg, anchored=anchored)
+    return rows_label_logits(
+        params,
+        cache_lib.select_rows(cache, segment_B),
+        None,
+        tokens_BT,
+        valid_BT,
+        answer_B,
+        label_ids_BC,
+        cfg,
+        anchored=anchored,
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "anchored"))
@@ -94,8 +135,16 @@ def compute_segments(params, cache, tokens_BT, valid_BT, cfg, anchored=True):
     """(segment cache, finite): B question headers continuing a shared prefix, kept per row; `finite`
     is False where the anchored softmax could not serve them (then: rerun exact)."""
     readout = jnp.zeros((tokens_BT.shape[0], 1), jnp.int32)  # the hidden state is not needed; keep it small
-    _, seg = models.forward(params, tokens_BT, cache, cfg, valid_BT=valid_BT, readout_BR=readout,
-                            cache_write=models.CacheWrite.SEGMENT, anchored_softmax=anchored)
+    _, seg = models.forward(
+        params,
+        tokens_BT,
+        cache,
+        cfg,
+        valid_BT=valid_BT,
+        readout_BR=readout,
+        cache_write=models.CacheWrite.SEGMENT,
+        anchored_softmax=anchored,
+    )
     rows = [x for layer in seg["layers"] for k, x in layer.items() if k in cache_lib.SEGMENT_ROW_KEYS]
     return seg, jnp.all(jnp.stack([jnp.isfinite(x).all() for x in rows]))
 

@@ -65,8 +65,11 @@ class RequestPlan:
 
     def token_counts(self) -> dict:
         lens = [len(r.tokens) for r in self.rows]
-        return {"input_tokens": len(self.prefix_ids) + sum(lens), "state_tokens": len(self.prefix_ids),
-                "max_question_tokens": max(lens)}
+        return {
+            "input_tokens": len(self.prefix_ids) + sum(lens),
+            "state_tokens": len(self.prefix_ids),
+            "max_question_tokens": max(lens),
+        }
 
 
 def share_header(rows: list[Row]) -> list[Row]:
@@ -90,8 +93,10 @@ def _noul_criteria(qid: str, criteria) -> dict | None:
     for key, value in criteria.items():
         name = domain.NOUL_CRITERIA_ALIASES.get(key, key)
         if name not in domain.NOUL_CRITERIA or name in out:
-            raise RequestError(f"question {qid!r}: noul criteria must be null or an object with 'true' and/or "
-                               f"'false' (aliases 'yes'/'no'), got keys {sorted(criteria)}")
+            raise RequestError(
+                f"question {qid!r}: noul criteria must be null or an object with 'true' and/or "
+                f"'false' (aliases 'yes'/'no'), got keys {sorted(criteria)}"
+            )
         if value is not None:
             text = _text(qid, f"noul criterion {key!r}", value)
             if value:  # a side sent as null or empty says nothing
@@ -143,8 +148,15 @@ def normalize_question(qid, q) -> dict:
 class Planner:
     """Prompt layout + label codes of one tokenizer: the rows a (state, question) is read from."""
 
-    def __init__(self, tokenizer, *, prompt_style: str = "chat", layout: str = "state_first",
-                 noul_readout: str = domain.BINARY, option_averaging: bool = True):
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        prompt_style: str = "chat",
+        layout: str = "state_first",
+        noul_readout: str = domain.BINARY,
+        option_averaging: bool = True,
+    ):
         if noul_readout not in domain.NOUL_READOUTS:
             raise ValueError(f"noul_readout must be one of {domain.NOUL_READOUTS}")
         if layout not in prompt.LAYOUTS:
@@ -205,16 +217,24 @@ class Planner:
             codes = self.codes.letters(len(criteria))
             text = prompt.score_text(q["instructions"], criteria, [c for c, _ in codes])
             row = self._row(state_text, text, [t for _, t in codes])
-            return QuestionPlan(qid, q, [Readout(domain.SCORE, domain.LETTER, len(criteria), [row],
-                                                 [list(range(len(criteria)))])])
+            return QuestionPlan(
+                qid, q, [Readout(domain.SCORE, domain.LETTER, len(criteria), [row], [list(range(len(criteria)))])]
+            )
         if self.noul_readout == domain.RATING:
             text = prompt.noul_rating_text(q["instructions"], criteria)
             row = self._row(state_text, text, [t for _, t in self.rating], self.rating_lead)
             n = domain.RATING_LEVELS
             return QuestionPlan(qid, q, [Readout(domain.NOUL, domain.RATING, n, [row], [list(range(n))])])
         orders = [domain.YES_NO] + ([domain.YES_NO[::-1]] if self.option_averaging else [])
-        rows = [self._row(state_text, prompt.noul_binary_text(q["instructions"], criteria, o),
-                          [t for _, t in self.yes_no], self.yes_no_lead) for o in orders]
+        rows = [
+            self._row(
+                state_text,
+                prompt.noul_binary_text(q["instructions"], criteria, o),
+                [t for _, t in self.yes_no],
+                self.yes_no_lead,
+            )
+            for o in orders
+        ]
         # code position j of a row is domain.YES_NO[j]; the candidates are [yes, no] in every order
         return QuestionPlan(qid, q, [Readout(domain.NOUL, domain.BINARY, 2, share_header(rows), [[0, 1]] * len(rows))])
 
@@ -238,9 +258,11 @@ def check_limits(plan: RequestPlan) -> None:
     p = len(plan.prefix_ids)
     longest = max(len(r.tokens) for r in rows)
     if p + longest > domain.MAX_STATE_PLUS_QUESTION_TOKENS:
-        raise TokenLimitError(f"state + longest question is {p + longest} tokens; the limit is "
-                              f"{domain.MAX_STATE_PLUS_QUESTION_TOKENS}")
+        raise TokenLimitError(
+            f"state + longest question is {p + longest} tokens; the limit is {domain.MAX_STATE_PLUS_QUESTION_TOKENS}"
+        )
     total = p + sum(len(r.tokens) for r in rows)
     if total > domain.MAX_REQUEST_TOKENS:
-        raise TokenLimitError(f"the request is {total} tokens (state once + every question row); the limit is "
-                              f"{domain.MAX_REQUEST_TOKENS}")
+        raise TokenLimitError(
+            f"the request is {total} tokens (state once + every question row); the limit is {domain.MAX_REQUEST_TOKENS}"
+        )

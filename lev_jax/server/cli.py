@@ -60,10 +60,16 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         ),
     )
     p.add_argument(
-        "--model", default=None, help="checkpoint directory, .gguf file, training run directory or hub id (default: the embedded SmolLM2-135M)"
+        "--model",
+        default=None,
+        help="checkpoint directory, .gguf file, training run directory or hub id (default: the embedded SmolLM2-135M)",
     )
-    p.add_argument("--prompt-style", default=None, choices=("chat", "plain"),
-                   help="default: chat, or what a training run directory was trained with")
+    p.add_argument(
+        "--prompt-style",
+        default=None,
+        choices=("chat", "plain"),
+        help="default: chat, or what a training run directory was trained with",
+    )
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -163,9 +169,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     t0 = time.perf_counter()
     try:
-        engine = lev_jax.load(
-            model=args.model, prompt_style=args.prompt_style, dtype=args.dtype
-        )
+        engine = lev_jax.load(model=args.model, prompt_style=args.prompt_style, dtype=args.dtype)
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
         print(f"{prog}: cannot load the model: {e}", file=sys.stderr)
         return 2

@@ -19,6 +19,7 @@ an example's option orders share its state; with the schema first and question-g
 buckets (bounded compiles); the random choices are a pure function of (seed, epoch, record index),
 so a resumed run draws the same.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -109,13 +110,18 @@ class Renderer:
         else:
             # round 1: the gold's group (abstain rows, uniform over all options: a random group)
             gold = int(np.argmax(dist)) if dist.max() > dist.min() else None
-            gi = (next(i for i, g in enumerate(qp.groups) if gold in g) if gold is not None
-                  else int(rng.integers(len(qp.groups))))
+            gi = (
+                next(i for i, g in enumerate(qp.groups) if gold in g)
+                if gold is not None
+                else int(rng.integers(len(qp.groups)))
+            )
             group = qp.groups[gi]
             _rows_of(qp.readouts[gi], _normalised(dist[group]), False, ex)
             if self.round2:
-                winners = [gold if (i == gi and gold is not None) else int(g[rng.integers(len(g))])
-                           for i, g in enumerate(qp.groups)]
+                winners = [
+                    gold if (i == gi and gold is not None) else int(g[rng.integers(len(g))])
+                    for i, g in enumerate(qp.groups)
+                ]
                 _rows_of(p.winners_readout(text, qp, winners), _normalised(dist[winners]), False, ex)
         if self.max_tokens is not None and ex.longest > self.max_tokens:
             return None
@@ -182,7 +188,7 @@ def group_rows(examples: Sequence[Example], share: float = 0.5) -> list[Group]:
 def _common(seqs: Sequence[Sequence[int]]) -> Sequence[int]:
     out = seqs[0]
     for q in seqs[1:]:
-        out = out[:_lcp(out, q)]
+        out = out[: _lcp(out, q)]
     return out
 
 
@@ -191,8 +197,9 @@ def _fit(n: int, sizes: Sequence[int], floor: int = 1, multiple: int = 1) -> int
     return -(-size // multiple) * multiple
 
 
-def pack(examples: Sequence[Example], *, multiple: int = 1, min_length: int = 16,
-         shared: bool = True) -> tuple[dict[str, np.ndarray], int]:
+def pack(
+    examples: Sequence[Example], *, multiple: int = 1, min_length: int = 16, shared: bool = True
+) -> tuple[dict[str, np.ndarray], int]:
     """Padded numpy arrays of one step: E groups of rows sharing a computed prefix (`group_rows`),
     R rows per group, every size bucketed (E also rounded up to `multiple`, the devices the batch is
     split over; lengths at least `min_length`). Keys: prefix_EP, prefix_valid_EP and, per group row,
@@ -203,20 +210,31 @@ def pack(examples: Sequence[Example], *, multiple: int = 1, min_length: int = 16
     reference the shared computation must equal)."""
     if not examples:
         raise ValueError("a step needs at least one example")
-    groups = group_rows(examples) if shared else [
-        Group(ex.prefix, [(e, i, r.tokens)]) for e, ex in enumerate(examples) for i, r in enumerate(ex.rows)]
+    groups = (
+        group_rows(examples)
+        if shared
+        else [Group(ex.prefix, [(e, i, r.tokens)]) for e, ex in enumerate(examples) for i, r in enumerate(ex.rows)]
+    )
     E = _fit(len(groups), ROWS, multiple, multiple)
     R = _fit(max(len(g.rows) for g in groups), ROWS, MIN_ROWS)
     P = _fit(max(len(g.prefix) for g in groups), LENGTHS, min_length)
     T = _fit(max(len(t) for g in groups for _, _, t in g.rows), LENGTHS, min_length)
     C = _fit(max(len(r.label_ids) for ex in examples for r in ex.rows), CODES, MIN_CODES)
     prefix_EP, prefix_valid_EP = pack_prefixes([g.prefix for g in groups], E, P)
-    out = {"prefix_EP": prefix_EP, "prefix_valid_EP": prefix_valid_EP,
-           "tokens_ERT": np.zeros((E, R, T), np.int32), "valid_ERT": np.zeros((E, R, T), bool),
-           "answer_ER": np.zeros((E, R), np.int32), "label_ids_ERC": np.zeros((E, R, C), np.int32),
-           "target_ERC": np.zeros((E, R, C), np.float32), "valid_ERC": np.zeros((E, R, C), bool),
-           "level_ERC": np.zeros((E, R, C), np.float32), "ordinal_ER": np.zeros((E, R), bool),
-           "mode_ER": np.zeros((E, R), np.int32), "weight_ER": np.zeros((E, R), np.float32)}
+    out = {
+        "prefix_EP": prefix_EP,
+        "prefix_valid_EP": prefix_valid_EP,
+        "tokens_ERT": np.zeros((E, R, T), np.int32),
+        "valid_ERT": np.zeros((E, R, T), bool),
+        "answer_ER": np.zeros((E, R), np.int32),
+        "label_ids_ERC": np.zeros((E, R, C), np.int32),
+        "target_ERC": np.zeros((E, R, C), np.float32),
+        "valid_ERC": np.zeros((E, R, C), bool),
+        "level_ERC": np.zeros((E, R, C), np.float32),
+        "ordinal_ER": np.zeros((E, R), bool),
+        "mode_ER": np.zeros((E, R), np.int32),
+        "weight_ER": np.zeros((E, R), np.float32),
+    }
     for g_i, g in enumerate(groups):
         rb = pack_rows([Row(t, examples[e].rows[i].label_ids) for e, i, t in g.rows], R, T, C)
         out["tokens_ERT"][g_i], out["valid_ERT"][g_i] = rb.tokens_BT, rb.valid_BT
@@ -240,8 +258,12 @@ def question_keys(data_dir, split: str = "train") -> list[str]:
 
     from lev_jax.data.build import read_split
 
-    return [r["readout"] + "|" + hashlib.blake2b(json.dumps(r["question"], sort_keys=True).encode(),
-                                                  digest_size=8).hexdigest() for r in read_split(data_dir, split)]
+    return [
+        r["readout"]
+        + "|"
+        + hashlib.blake2b(json.dumps(r["question"], sort_keys=True).encode(), digest_size=8).hexdigest()
+        for r in read_split(data_dir, split)
+    ]
 
 
 class _PlanSource:
@@ -259,8 +281,18 @@ class _PlanSource:
         return self.plan.batch(int(i))
 
 
-def keyed_iterator(data_dir, keys: Sequence[str], *, keep: Sequence[bool] | None = None, batch_size: int,
-                   seed: int, window_batches: int, transform, shard_index: int = 0, shard_count: int = 1):
+def keyed_iterator(
+    data_dir,
+    keys: Sequence[str],
+    *,
+    keep: Sequence[bool] | None = None,
+    batch_size: int,
+    seed: int,
+    window_batches: int,
+    transform,
+    shard_index: int = 0,
+    shard_count: int = 1,
+):
     """A checkpointable grain iterator of length-bucketed batches (lev_jax.data.pipeline.BatchPlan)
     whose records share a key (`question_keys`), read from the train split (the records `keep`
     marks) and transformed."""
@@ -271,8 +303,15 @@ def keyed_iterator(data_dir, keys: Sequence[str], *, keep: Sequence[bool] | None
 
     lengths = np.asarray(load_index(data_dir, "train")["length"])
     positions = np.nonzero(np.asarray(keep, bool) if keep is not None else np.ones(len(keys), bool))[0]
-    plan = BatchPlan([keys[i] for i in positions], lengths[positions].tolist(), batch_size, seed=seed,
-                     window_batches=window_batches, shard_index=shard_index, shard_count=shard_count)
+    plan = BatchPlan(
+        [keys[i] for i in positions],
+        lengths[positions].tolist(),
+        batch_size,
+        seed=seed,
+        window_batches=window_batches,
+        shard_index=shard_index,
+        shard_count=shard_count,
+    )
     path = str(Path(data_dir) / "train.array_record")
     source = []
 
@@ -291,8 +330,12 @@ def keyed_iterator(data_dir, keys: Sequence[str], *, keep: Sequence[bool] | None
 def flat_rows(batch: Mapping[str, Any]) -> dict[str, Any]:
     """The per-row arrays of a packed batch with groups and rows flattened ([E, R, ...] -> [E*R, ...])
     under the loss's names (target_BC, valid_BC, level_BC, ordinal_B, mode_B, weight_B)."""
-    names = {"target_ERC": "target_BC", "valid_ERC": "valid_BC", "level_ERC": "level_BC",
-             "ordinal_ER": "ordinal_B", "mode_ER": "mode_B", "weight_ER": "weight_B"}
+    names = {
+        "target_ERC": "target_BC",
+        "valid_ERC": "valid_BC",
+        "level_ERC": "level_BC",
+        "ordinal_ER": "ordinal_B",
+        "mode_ER": "mode_B",
+        "weight_ER": "weight_B",
+    }
     return {new: batch[old].reshape((-1,) + tuple(batch[old].shape[2:])) for old, new in names.items()}
-
-

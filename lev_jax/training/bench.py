@@ -7,28 +7,47 @@ sequence (what it offers); this trainer computes each example's shared prefix on
 (`batches.group_rows`). Throughput counts the rows' real tokens (prefix + row, no padding) for both.
 `python -m scripts.bench_train` is the command line.
 """
+
 from __future__ import annotations
 
 import time
 
 import numpy as np
 
-TOPICS = ["card payment declined", "transfer not received", "exchange rate", "lost or stolen card",
-          "top up failed", "change PIN", "refund not showing", "cash withdrawal charge"]
+TOPICS = [
+    "card payment declined",
+    "transfer not received",
+    "exchange rate",
+    "lost or stolen card",
+    "top up failed",
+    "change PIN",
+    "refund not showing",
+    "cash withdrawal charge",
+]
 
 
 def records(n: int, seed: int = 0) -> list[dict]:
     """n banking-style choice records (8 options each), states of varying length."""
     rng = np.random.default_rng(seed)
-    q = {"type": "choice", "instructions": "What is the customer asking the bank about?",
-         "criteria": {t.replace(" ", "_"): t for t in TOPICS}}
+    q = {
+        "type": "choice",
+        "instructions": "What is the customer asking the bank about?",
+        "criteria": {t.replace(" ", "_"): t for t in TOPICS},
+    }
     out = []
     for i in range(n):
         gold = int(rng.integers(len(TOPICS)))
-        words = " ".join(rng.choice(["please", "help", "urgent", "today", "again", "my", "account"],
-                                    int(rng.integers(4, 30))))
-        out.append({"state": {"message": f"Hi, question {i} about {TOPICS[gold]}: {words}."}, "question": q,
-                    "target_dist": [float(j == gold) for j in range(len(TOPICS))], "readout": "choice"})
+        words = " ".join(
+            rng.choice(["please", "help", "urgent", "today", "again", "my", "account"], int(rng.integers(4, 30)))
+        )
+        out.append(
+            {
+                "state": {"message": f"Hi, question {i} about {TOPICS[gold]}: {words}."},
+                "question": q,
+                "target_dist": [float(j == gold) for j in range(len(TOPICS))],
+                "readout": "choice",
+            }
+        )
     return out
 
 
@@ -48,8 +67,9 @@ def jax_step_seconds(bb, examples, *, rank: int, alpha: float, dtype: str, remat
     from lev_jax.training import batches, config, loop
     from lev_jax.training import mesh as mesh_lib
 
-    cfg = config.TrainConfig(preset="bench", dtype=dtype, lora_rank=rank, lora_alpha=alpha, remat=remat,
-                             lr=1e-4, warmup_steps=0, steps=1000).validate()
+    cfg = config.TrainConfig(
+        preset="bench", dtype=dtype, lora_rank=rank, lora_alpha=alpha, remat=remat, lr=1e-4, warmup_steps=0, steps=1000
+    ).validate()
     trainer = loop.Trainer(cfg, bb, mesh_lib.make("", devices=jax.devices()[:1]))
     holder = {"state": trainer.init_state()}
     arrays, _ = batches.pack(examples)
@@ -74,8 +94,9 @@ def torch_step_seconds(examples, *, rank: int, alpha: float, dtype: str, repeats
     model = transformers_gguf_model(embedded_default_path())
     if dtype == "bfloat16":
         model = model.to(torch.bfloat16)
-    model = peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0,
-                                                       target_modules=list(lora.DEFAULT_TARGETS)))
+    model = peft.get_peft_model(
+        model, peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(lora.DEFAULT_TARGETS))
+    )
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     rows = [(ex.prefix + r.tokens, r.label_ids, t) for ex in examples for r, t in zip(ex.rows, ex.targets)]
@@ -105,8 +126,17 @@ def torch_step_seconds(examples, *, rank: int, alpha: float, dtype: str, repeats
     return _best(step, repeats)
 
 
-def run(*, examples: int = 8, rank: int = 16, alpha: float = 32.0, dtype: str = "bfloat16", remat: str = "none",
-        repeats: int = 3, threads: int = 2, out=print) -> dict:
+def run(
+    *,
+    examples: int = 8,
+    rank: int = 16,
+    alpha: float = 32.0,
+    dtype: str = "bfloat16",
+    remat: str = "none",
+    repeats: int = 3,
+    threads: int = 2,
+    out=print,
+) -> dict:
     import lev_jax
     from lev_jax.readout import Planner
     from lev_jax.training import batches
@@ -116,15 +146,27 @@ def run(*, examples: int = 8, rank: int = 16, alpha: float = 32.0, dtype: str = 
     exs = [renderer.example(r, renderer.rng(0, i)) for i, r in enumerate(records(examples))]
     row_tokens = sum(len(ex.prefix) + len(r.tokens) for ex in exs for r in ex.rows)
     n_rows = sum(len(ex.rows) for ex in exs)
-    out(f"batch: {examples} examples, {n_rows} rows (both option orders), {row_tokens} real row tokens, "
-        f"LoRA r{rank} alpha {alpha:g} on every projection, {dtype}")
+    out(
+        f"batch: {examples} examples, {n_rows} rows (both option orders), {row_tokens} real row tokens, "
+        f"LoRA r{rank} alpha {alpha:g} on every projection, {dtype}"
+    )
     t_jax = jax_step_seconds(bb, exs, rank=rank, alpha=alpha, dtype=dtype, remat=remat, repeats=repeats)
     out(f"lev-jax       {t_jax * 1000:8.0f} ms/step  {row_tokens / t_jax:8.0f} tokens/s  (remat {remat})")
     t_torch = torch_step_seconds(exs, rank=rank, alpha=alpha, dtype=dtype, repeats=repeats, threads=threads)
-    out(f"transformers  {t_torch * 1000:8.0f} ms/step  {row_tokens / t_torch:8.0f} tokens/s  (+ peft, "
-        f"{threads} threads)")
+    out(
+        f"transformers  {t_torch * 1000:8.0f} ms/step  {row_tokens / t_torch:8.0f} tokens/s  (+ peft, "
+        f"{threads} threads)"
+    )
     ratio = t_torch / t_jax
     out(f"ratio {ratio:.2f}x (target >= 1.5x)")
-    return {"examples": examples, "rows": n_rows, "row_tokens": row_tokens, "dtype": dtype, "jax_s": t_jax,
-            "torch_s": t_torch, "jax_tokens_per_s": row_tokens / t_jax, "torch_tokens_per_s": row_tokens / t_torch,
-            "ratio": ratio}
+    return {
+        "examples": examples,
+        "rows": n_rows,
+        "row_tokens": row_tokens,
+        "dtype": dtype,
+        "jax_s": t_jax,
+        "torch_s": t_torch,
+        "jax_tokens_per_s": row_tokens / t_jax,
+        "torch_tokens_per_s": row_tokens / t_torch,
+        "ratio": ratio,
+    }

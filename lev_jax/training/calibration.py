@@ -7,6 +7,7 @@ bucket. A large (grouped) choice gives two rows: its gold's group (round 1) and,
 its group, the winners (round 2) - the two readouts predict() applies a temperature to. The test
 split is never read; `calibrate.fit` itself refuses split names that say test/eval/holdout.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -50,8 +51,9 @@ def records(data_dir: Path, limit: int, seed: int = 0, readouts=()) -> list[dict
     `calibrate.MIN_ROWS` where the split has them, so no bucket is left at T = 1 for want of rows."""
     from lev_jax.data.build import read_split
 
-    rows = [r for r in read_split(data_dir, SPLIT) if _gold(r) is not None
-            and (not readouts or r["readout"] in readouts)]
+    rows = [
+        r for r in read_split(data_dir, SPLIT) if _gold(r) is not None and (not readouts or r["readout"] in readouts)
+    ]
     order = hash_order([r["uid"] for r in rows], seed, "calibration-sample")
     by_bucket: dict[tuple, list[dict]] = {}
     for i in order:
@@ -69,7 +71,7 @@ def collect(engine, recs: list[dict], *, chunk: int = 8) -> list[calibrate.Calib
     cal = calibrate.Calibration.identity()
     out = []
     for start in range(0, len(recs), chunk):
-        part = recs[start:start + chunk]
+        part = recs[start : start + chunk]
         plans = [engine.plan(r["state"], {"q": r["question"]}) for r in part]
         logits = engine.executor.read([(p.prefix_ids, p.rows) for p in plans], [Usage() for _ in plans])
         second = []
@@ -78,24 +80,34 @@ def collect(engine, recs: list[dict], *, chunk: int = 8) -> list[calibrate.Calib
             per_readout = [[next(it) for _ in ro.rows] for ro in qp.readouts]
             if qp.groups is None:
                 ro = qp.readouts[0]
-                out.append(calibrate.CalibrationRow(_canonical(ro, per_readout[0]), gold, ro.qtype, ro.mode,
-                                                    r["source"], ro.n, SPLIT_NAME))
+                out.append(
+                    calibrate.CalibrationRow(
+                        _canonical(ro, per_readout[0]), gold, ro.qtype, ro.mode, r["source"], ro.n, SPLIT_NAME
+                    )
+                )
                 continue
             winners = []
             for g, ro, lg in zip(qp.groups, qp.readouts, per_readout):
                 p = cal.readout(_canonical(ro, lg), ro.qtype, ro.mode, ro.n)
                 winners.append(g[int(np.argmax(p))])
                 if gold in g:
-                    out.append(calibrate.CalibrationRow(_canonical(ro, lg), g.index(gold), ro.qtype, ro.mode,
-                                                        r["source"], ro.n, SPLIT_NAME))
+                    out.append(
+                        calibrate.CalibrationRow(
+                            _canonical(ro, lg), g.index(gold), ro.qtype, ro.mode, r["source"], ro.n, SPLIT_NAME
+                        )
+                    )
             if gold in winners:
                 second.append((r, plan, engine.planner.winners_readout(plan.state_text, qp, winners), winners))
         if second:
-            logits2 = engine.executor.read([(plan.prefix_ids, ro.rows) for _, plan, ro, _ in second],
-                                           [Usage() for _ in second])
+            logits2 = engine.executor.read(
+                [(plan.prefix_ids, ro.rows) for _, plan, ro, _ in second], [Usage() for _ in second]
+            )
             for (r, _, ro, winners), lg in zip(second, logits2):
-                out.append(calibrate.CalibrationRow(_canonical(ro, lg), winners.index(_gold(r)), ro.qtype, ro.mode,
-                                                    r["source"], ro.n, SPLIT_NAME))
+                out.append(
+                    calibrate.CalibrationRow(
+                        _canonical(ro, lg), winners.index(_gold(r)), ro.qtype, ro.mode, r["source"], ro.n, SPLIT_NAME
+                    )
+                )
     return out
 
 
@@ -108,8 +120,14 @@ def fit_run(cfg, run_dir: Path, backbone, data_dir: Path, *, out: Callable[[str]
     if not recs:
         out("calibration: the calibration split has no labelled record; no temperatures fitted")
         return None
-    engine = Engine(backbone, prompt_style=cfg.prompt_style, layout=cfg.layout, noul_readout=cfg.noul_readout,
-                    option_averaging=cfg.option_averaging, model_name=backbone.name)
+    engine = Engine(
+        backbone,
+        prompt_style=cfg.prompt_style,
+        layout=cfg.layout,
+        noul_readout=cfg.noul_readout,
+        option_averaging=cfg.option_averaging,
+        model_name=backbone.name,
+    )
     rows = collect(engine, recs)
     cal = calibrate.fit(rows, splits=[SPLIT_NAME], model_id=backbone.name)
     path = cal.save(run_dir)

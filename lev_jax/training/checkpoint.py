@@ -14,6 +14,7 @@ Restoring walks the steps newest first; a checkpoint that cannot be read (a corr
 missing item) is skipped with a warning that names it and moved to `<run>/corrupt/`, never silently
 loaded. A temporary directory left by a save that was killed is reported the same way.
 """
+
 from __future__ import annotations
 
 import datetime as dt
@@ -37,9 +38,13 @@ HISTORY = "history.json"
 
 
 def _handlers() -> dict:
-    return {"trainable": ocp.StandardCheckpointHandler(), "opt_state": ocp.StandardCheckpointHandler(),
-            "train": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler(),
-            "data": grain.checkpoint.CheckpointHandler()}
+    return {
+        "trainable": ocp.StandardCheckpointHandler(),
+        "opt_state": ocp.StandardCheckpointHandler(),
+        "train": ocp.StandardCheckpointHandler(),
+        "meta": ocp.JsonCheckpointHandler(),
+        "data": grain.checkpoint.CheckpointHandler(),
+    }
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
@@ -51,16 +56,26 @@ def write_json_atomic(path: Path, obj: Any) -> None:
 class Checkpoints:
     """The checkpoints of one run directory (`<run>/checkpoints`)."""
 
-    def __init__(self, run_dir: str | os.PathLike, keep: int = 3, *, read_only: bool = False,
-                 warn: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        keep: int = 3,
+        *,
+        read_only: bool = False,
+        warn: Callable[[str], None] | None = None,
+    ):
         self.run_dir = Path(run_dir).absolute()
         self.dir = self.run_dir / "checkpoints"
         self.warn = warn or log.warning
         if read_only and not self.dir.is_dir():
             raise FileNotFoundError(f"{self.run_dir} has no checkpoints/ (not a training run directory)")
-        options = ocp.CheckpointManagerOptions(max_to_keep=None if read_only else keep, create=not read_only,
-                                               read_only=read_only, enable_async_checkpointing=False,
-                                               save_interval_steps=0 if read_only else 1)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=None if read_only else keep,
+            create=not read_only,
+            read_only=read_only,
+            enable_async_checkpointing=False,
+            save_interval_steps=0 if read_only else 1,
+        )
         absl_log = logging.getLogger("absl")
         level = absl_log.level
         if read_only:  # Orbax says at length that a read-only manager will not save; we know
@@ -88,9 +103,12 @@ class Checkpoints:
     # -- saving ----------------------------------------------------------------------------------
     def save(self, step: int, *, trainable, opt_state, train, meta: dict, iterator) -> Path:
         args = ocp.args.Composite(
-            trainable=ocp.args.StandardSave(trainable), opt_state=ocp.args.StandardSave(opt_state),
-            train=ocp.args.StandardSave(train), meta=ocp.args.JsonSave(meta),
-            data=grain.checkpoint.CheckpointSave(iterator))
+            trainable=ocp.args.StandardSave(trainable),
+            opt_state=ocp.args.StandardSave(opt_state),
+            train=ocp.args.StandardSave(train),
+            meta=ocp.args.JsonSave(meta),
+            data=grain.checkpoint.CheckpointSave(iterator),
+        )
         self.mngr.save(step, args=args, force=True)
         self.mngr.wait_until_finished()
         return self.path(step)
@@ -105,10 +123,16 @@ class Checkpoints:
         steps = [step] if step is not None else self.steps()[::-1]
         for s in steps:
             try:
-                got = self.mngr.restore(s, args=ocp.args.Composite(
-                    trainable=ocp.args.StandardRestore(trainable), opt_state=ocp.args.StandardRestore(opt_state),
-                    train=ocp.args.StandardRestore(train), meta=ocp.args.JsonRestore(),
-                    data=grain.checkpoint.CheckpointRestore(iterator)))
+                got = self.mngr.restore(
+                    s,
+                    args=ocp.args.Composite(
+                        trainable=ocp.args.StandardRestore(trainable),
+                        opt_state=ocp.args.StandardRestore(opt_state),
+                        train=ocp.args.StandardRestore(train),
+                        meta=ocp.args.JsonRestore(),
+                        data=grain.checkpoint.CheckpointRestore(iterator),
+                    ),
+                )
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is skipped, by name
                 if step is not None:
                     raise
@@ -123,14 +147,17 @@ class Checkpoints:
         steps = [step] if step is not None else self.steps()[::-1]
         for s in steps:
             try:
-                got = self.mngr.restore(s, args=ocp.args.Composite(trainable=ocp.args.StandardRestore(),
-                                                                   meta=ocp.args.JsonRestore()))
+                got = self.mngr.restore(
+                    s, args=ocp.args.Composite(trainable=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore())
+                )
                 return s, got["trainable"], got["meta"]
             except Exception as e:  # noqa: BLE001
                 if step is not None:
                     raise
-                self.warn(f"skipping unreadable checkpoint {self.path(s)} ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''})")
+                self.warn(
+                    f"skipping unreadable checkpoint {self.path(s)} ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0] if str(e) else ''})"
+                )
         return None
 
     def read_meta(self, step: int) -> dict:
@@ -140,12 +167,16 @@ class Checkpoints:
         """Move an unreadable checkpoint out of the way (so a later save of that step can happen)."""
         src = self.path(step)
         if self.read_only:  # another run's directory: report it, leave it where it is
-            self.warn(f"skipping corrupt checkpoint {src} ({type(error).__name__}: "
-                      f"{str(error).splitlines()[0] if str(error) else ''})")
+            self.warn(
+                f"skipping corrupt checkpoint {src} ({type(error).__name__}: "
+                f"{str(error).splitlines()[0] if str(error) else ''})"
+            )
             return
         dest = self.run_dir / "corrupt" / f"{step}-{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}"
-        self.warn(f"skipping corrupt checkpoint {src} ({type(error).__name__}: "
-                  f"{str(error).splitlines()[0] if str(error) else ''}); moved to {dest}")
+        self.warn(
+            f"skipping corrupt checkpoint {src} ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''}); moved to {dest}"
+        )
         dest.parent.mkdir(parents=True, exist_ok=True)
         if src.exists():
             shutil.move(str(src), str(dest))

@@ -9,6 +9,7 @@ Rerunning the same command on an existing RUN_DIR resumes it from its newest che
 RUN_DIR/superseded-<utc>/ first; `--resume PATH` starts from a given checkpoint (a run directory or
 one of its checkpoints/<step>). Bad input is one line on stderr and exit code 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,18 @@ XLA_DEFAULTS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",)
 CACHE_ENV = "LEV_JAX_CACHE"  # persistent compilation cache directory ("" disables it)
 DISTRIBUTED_ENV = "LEV_JAX_DISTRIBUTED"  # "1": jax.distributed.initialize() first (multi-host)
 # keys a resumed run may change (everything else changes what it trains: use --fresh)
-RESUMABLE = frozenset({"steps", "checkpoint_every", "log_every", "keep_checkpoints", "calibrate",
-                       "calibration_rows", "mesh", "accelerator"})
+RESUMABLE = frozenset(
+    {
+        "steps",
+        "checkpoint_every",
+        "log_every",
+        "keep_checkpoints",
+        "calibrate",
+        "calibration_rows",
+        "mesh",
+        "accelerator",
+    }
+)
 
 
 class DataError(ValueError):
@@ -87,8 +98,9 @@ def check_data(path: str | os.PathLike) -> Path:
     need = ["manifest.json", "train.array_record", "train.index.json", "calibration.array_record"]
     missing = [n for n in need if not (p / n).is_file()]
     if missing:
-        raise DataError(f"{p} is not a data build (missing {', '.join(missing)}); "
-                        f"build one with `python -m data build --out {p}`")
+        raise DataError(
+            f"{p} is not a data build (missing {', '.join(missing)}); build one with `python -m data build --out {p}`"
+        )
     import json
 
     manifest = json.loads((p / "manifest.json").read_text(encoding="utf-8"))
@@ -109,8 +121,9 @@ def resolve_data(cfg, run_dir: Path, out) -> Path:
     if cfg.data:
         return check_data(cfg.data)
     if not cfg.data_recipe:
-        raise DataError(f"preset {cfg.preset!r} needs a data build: `python -m data build --out DIR`, "
-                        f"then --set data=DIR")
+        raise DataError(
+            f"preset {cfg.preset!r} needs a data build: `python -m data build --out DIR`, then --set data=DIR"
+        )
     data_dir = run_dir / "data"
     if not (data_dir / "manifest.json").is_file():
         out(f"building the {cfg.data_recipe!r} data recipe into {data_dir}")
@@ -168,13 +181,13 @@ def resolve_config(args, run_dir: Path):
     if run.is_run(run_dir) and not args.fresh:
         saved = run.read_config(run_dir)
         if saved.preset != args.preset:
-            raise config.ConfigError(f"{run_dir} holds a {saved.preset!r} run; use --fresh to replace it or "
-                                     f"another --out")
+            raise config.ConfigError(
+                f"{run_dir} holds a {saved.preset!r} run; use --fresh to replace it or another --out"
+            )
         bad = sorted(k for k, v in over.items() if k not in RESUMABLE and getattr(saved, k) != v)
         if bad:
             was = ", ".join(f"{k}={getattr(saved, k)!r}" for k in bad)
-            raise config.ConfigError(f"{run_dir} was trained with {was}; changing that needs --fresh or "
-                                     f"another --out")
+            raise config.ConfigError(f"{run_dir} was trained with {was}; changing that needs --fresh or another --out")
         return dataclasses.replace(saved, **over).validate()
     return config.resolve(args.preset, over)
 
@@ -208,8 +221,10 @@ def train_main(argv: Sequence[str], out=print) -> int:
     if cfg.calibrate and (trained or not (run_dir / "calibration.json").is_file()):
         bb, _, meta = run.load_run(run_dir, cfg.dtype)
         calibration.fit_run(cfg, run_dir, bb, data_dir, out=out)
-    out(f"done: {run_dir} at step {summary['step']} ({summary['tokens']:,} real tokens trained); "
-        f"serve it with lev_jax.load({str(run_dir)!r})")
+    out(
+        f"done: {run_dir} at step {summary['step']} ({summary['tokens']:,} real tokens trained); "
+        f"serve it with lev_jax.load({str(run_dir)!r})"
+    )
     return 0
 
 

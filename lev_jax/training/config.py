@@ -3,6 +3,7 @@
 Every value of a run comes from here; the resolved config is saved in the run directory
 (``config.json``) and a rerun on that directory resumes with it (only ``steps`` may grow).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -95,8 +96,10 @@ class TrainConfig:
             (self.data_recipe in DATA_RECIPES, f"data_recipe must be one of {', '.join(map(repr, DATA_RECIPES))}"),
             (self.prompt_style in prompt.STYLES, f"prompt_style must be one of {', '.join(prompt.STYLES)}"),
             (self.layout in prompt.LAYOUTS, f"layout must be one of {', '.join(prompt.LAYOUTS)}"),
-            (self.noul_readout in domain.NOUL_READOUTS,
-             f"noul_readout must be one of {', '.join(domain.NOUL_READOUTS)}"),
+            (
+                self.noul_readout in domain.NOUL_READOUTS,
+                f"noul_readout must be one of {', '.join(domain.NOUL_READOUTS)}",
+            ),
             (self.steps >= 1, "steps must be >= 1"),
             (self.batch_size >= 1, "batch_size must be >= 1"),
             (self.lr > 0, "lr must be > 0"),
@@ -108,8 +111,10 @@ class TrainConfig:
             (self.keep_checkpoints >= 1, "keep_checkpoints must be >= 1"),
             (self.max_tokens >= 16, "max_tokens must be >= 16"),
             (self.min_length >= 1, "min_length must be >= 1"),
-            (0 <= self.data_strip_fraction <= 1 and 0 <= self.data_full_set_fraction <= 1,
-             "data_strip_fraction and data_full_set_fraction must be in [0, 1]"),
+            (
+                0 <= self.data_strip_fraction <= 1 and 0 <= self.data_full_set_fraction <= 1,
+                "data_strip_fraction and data_full_set_fraction must be in [0, 1]",
+            ),
             (self.accelerator in ACCELERATORS, f"accelerator must be one of {', '.join(ACCELERATORS)}"),
             (self.brier_weight >= 0 and self.ordinal_weight >= 0, "loss weights must be >= 0"),
         ]
@@ -119,8 +124,9 @@ class TrainConfig:
         return self
 
     def to_json(self) -> dict:
-        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
-                for f in dataclasses.fields(self)}
+        return {
+            f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in dataclasses.fields(self)
+        }
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> TrainConfig:
@@ -131,32 +137,81 @@ class TrainConfig:
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}).validate()
 
 
-_QWEN = dict(data_recipe="", dtype="bfloat16", lora_rank=32, lora_alpha=32.0, remat="dots", batch_size=64,
-             steps=2000, warmup_steps=100, lr=1e-4, checkpoint_every=250, log_every=10, max_tokens=8192,
-             prompt_style="plain", accelerator="h100", calibration_rows=2000)
+_QWEN = dict(
+    data_recipe="",
+    dtype="bfloat16",
+    lora_rank=32,
+    lora_alpha=32.0,
+    remat="dots",
+    batch_size=64,
+    steps=2000,
+    warmup_steps=100,
+    lr=1e-4,
+    checkpoint_every=250,
+    log_every=10,
+    max_tokens=8192,
+    prompt_style="plain",
+    accelerator="h100",
+    calibration_rows=2000,
+)
 
-PRESETS: Mapping[str, Mapping[str, Any]] = types.MappingProxyType({
-    # CI: a tiny random Qwen3.5 on a synthetic build it makes itself; seconds on a CPU.
-    "tiny": dict(model=TINY_MODEL, data_recipe="tiny", dtype="float32", lora_rank=8, lora_alpha=16.0,
-                 steps=24, batch_size=4, lr=3e-3, warmup_steps=2, log_every=4, checkpoint_every=8,
-                 max_tokens=1024, calibration_rows=48, window_batches=4, min_length=128),
-    # The embedded SmolLM2-135M-Instruct on the offline intent mixture (banking77 + CLINC150 train
-    # parts), sized for <= 60 min of wall time on a 2-core CPU (docs/training.md).
-    # Question first, one question per batch: a step computes the question (its options) once and
-    # reads many states after it; one presentation order. See docs/training.md for the sizing.
-    "smollm2": dict(model=EMBEDDED, data_recipe="offline", data_sources=("banking77", "clinc_oos"),
-                    data_strip_fraction=1.0, data_full_set_fraction=1.0, layout="schema_first",
-                    option_averaging=False, group_by_question=True, dtype="bfloat16", remat="full",
-                    lora_rank=16, lora_alpha=32.0, steps=150, batch_size=32, lr=1e-3, warmup_steps=8,
-                    log_every=2, checkpoint_every=25, max_tokens=4096, min_length=32, calibration_rows=150,
-                    readouts=("choice",), window_batches=4),
-    # Qwen3.5 presets as lev ships them: a checkpoint directory or hub id (`--set model=DIR`).
-    "smoke": dict(_QWEN, model="Qwen/Qwen3.5-0.8B-Base", steps=200, batch_size=32),
-    "2b": dict(_QWEN, model="Qwen/Qwen3.5-2B-Base", lora_rank=0, lr=1e-5, remat="full"),
-    "4b": dict(_QWEN, model="Qwen/Qwen3.5-4B-Base"),
-    "4b-instruct": dict(_QWEN, model="Qwen/Qwen3.5-4B", prompt_style="chat", lr=5e-5),
-    "9b": dict(_QWEN, model="Qwen/Qwen3.5-9B-Base", remat="full", batch_size=32),
-})
+PRESETS: Mapping[str, Mapping[str, Any]] = types.MappingProxyType(
+    {
+        # CI: a tiny random Qwen3.5 on a synthetic build it makes itself; seconds on a CPU.
+        "tiny": dict(
+            model=TINY_MODEL,
+            data_recipe="tiny",
+            dtype="float32",
+            lora_rank=8,
+            lora_alpha=16.0,
+            steps=24,
+            batch_size=4,
+            lr=3e-3,
+            warmup_steps=2,
+            log_every=4,
+            checkpoint_every=8,
+            max_tokens=1024,
+            calibration_rows=48,
+            window_batches=4,
+            min_length=128,
+        ),
+        # The embedded SmolLM2-135M-Instruct on the offline intent mixture (banking77 + CLINC150 train
+        # parts), sized for <= 60 min of wall time on a 2-core CPU (docs/training.md).
+        # Question first, one question per batch: a step computes the question (its options) once and
+        # reads many states after it; one presentation order. See docs/training.md for the sizing.
+        "smollm2": dict(
+            model=EMBEDDED,
+            data_recipe="offline",
+            data_sources=("banking77", "clinc_oos"),
+            data_strip_fraction=1.0,
+            data_full_set_fraction=1.0,
+            layout="schema_first",
+            option_averaging=False,
+            group_by_question=True,
+            dtype="bfloat16",
+            remat="full",
+            lora_rank=16,
+            lora_alpha=32.0,
+            steps=150,
+            batch_size=32,
+            lr=1e-3,
+            warmup_steps=8,
+            log_every=2,
+            checkpoint_every=25,
+            max_tokens=4096,
+            min_length=32,
+            calibration_rows=150,
+            readouts=("choice",),
+            window_batches=4,
+        ),
+        # Qwen3.5 presets as lev ships them: a checkpoint directory or hub id (`--set model=DIR`).
+        "smoke": dict(_QWEN, model="Qwen/Qwen3.5-0.8B-Base", steps=200, batch_size=32),
+        "2b": dict(_QWEN, model="Qwen/Qwen3.5-2B-Base", lora_rank=0, lr=1e-5, remat="full"),
+        "4b": dict(_QWEN, model="Qwen/Qwen3.5-4B-Base"),
+        "4b-instruct": dict(_QWEN, model="Qwen/Qwen3.5-4B", prompt_style="chat", lr=5e-5),
+        "9b": dict(_QWEN, model="Qwen/Qwen3.5-9B-Base", remat="full", batch_size=32),
+    }
+)
 
 
 def _hint(name: str) -> Any:

@@ -11,6 +11,7 @@ or, for a full fine-tune, an fp32 master copy of every parameter. One step:
 
 jitted once per shape bucket with explicit in/out shardings over the (data, fsdp, tensor) mesh.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,19 +39,28 @@ class TrainingError(RuntimeError):
 
 def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
     warmup = min(cfg.warmup_steps, max(cfg.steps - 1, 0))
-    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1),
-                                                  end_value=cfg.lr * cfg.min_lr_ratio)
-    opt = optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
-                      optax.adamw(schedule, b1=0.9, b2=0.999, eps=1e-8, weight_decay=cfg.weight_decay))
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio
+    )
+    opt = optax.chain(
+        optax.clip_by_global_norm(cfg.clip_norm),
+        optax.adamw(schedule, b1=0.9, b2=0.999, eps=1e-8, weight_decay=cfg.weight_decay),
+    )
     return opt, schedule
 
 
 def fingerprint(cfg: TrainConfig, backbone) -> dict:
     """What identifies the base model a checkpoint belongs to."""
     mc = backbone.config
-    return {"model": cfg.model, "name": backbone.name, "model_type": mc.model_type,
-            "layers": int(mc.num_hidden_layers), "hidden": int(mc.hidden_size), "vocab": int(mc.vocab_size),
-            "parameters": lora.n_params(backbone.params)}
+    return {
+        "model": cfg.model,
+        "name": backbone.name,
+        "model_type": mc.model_type,
+        "layers": int(mc.num_hidden_layers),
+        "hidden": int(mc.hidden_size),
+        "vocab": int(mc.vocab_size),
+        "parameters": lora.n_params(backbone.params),
+    }
 
 
 def same_base(a: dict, b: dict) -> bool:
@@ -81,16 +91,25 @@ class Trainer:
             trainable = jax.tree.map(lambda x: x.astype(jnp.float32), self.base)
         else:
             trainable = lora.init(self.base, cfg.lora_rank, targets=cfg.lora_targets, key=k_init)
-        state = {"trainable": trainable, "opt_state": self.optimizer.init(trainable),
-                 "train": {"step": jnp.zeros((), jnp.int32), "rng": jax.random.key_data(key)}}
+        state = {
+            "trainable": trainable,
+            "opt_state": self.optimizer.init(trainable),
+            "train": {"step": jnp.zeros((), jnp.int32), "rng": jax.random.key_data(key)},
+        }
         return jax.device_put(state, self.state_shardings(state))
 
     def state_shardings(self, state) -> dict:
         m = self.mesh
-        t_sh = (mesh_lib.param_shardings(state["trainable"], m) if self.cfg.full_finetune
-                else mesh_lib.adapter_shardings(state["trainable"], m))
-        return {"trainable": t_sh, "opt_state": mesh_lib.like(state["opt_state"], state["trainable"], t_sh, m),
-                "train": jax.tree.map(lambda _: mesh_lib.replicated(m), state["train"])}
+        t_sh = (
+            mesh_lib.param_shardings(state["trainable"], m)
+            if self.cfg.full_finetune
+            else mesh_lib.adapter_shardings(state["trainable"], m)
+        )
+        return {
+            "trainable": t_sh,
+            "opt_state": mesh_lib.like(state["opt_state"], state["trainable"], t_sh, m),
+            "train": jax.tree.map(lambda _: mesh_lib.replicated(m), state["train"]),
+        }
 
     # -- the step ----------------------------------------------------------------------------------
     def params(self, trainable, frozen):
@@ -104,8 +123,12 @@ class Trainer:
         return group_label_logits(self.params(trainable, frozen), batch, self.model_cfg, remat=self.cfg.remat)
 
     def loss(self, trainable, frozen, batch):
-        return loss_lib.loss(self.logits(trainable, frozen, batch), batches.flat_rows(batch),
-                             brier_weight=self.cfg.brier_weight, ordinal_weight=self.cfg.ordinal_weight)
+        return loss_lib.loss(
+            self.logits(trainable, frozen, batch),
+            batches.flat_rows(batch),
+            brier_weight=self.cfg.brier_weight,
+            ordinal_weight=self.cfg.ordinal_weight,
+        )
 
     def _step(self, state, frozen, batch):
         (value, stats), grads = jax.value_and_grad(self.loss, has_aux=True)(state["trainable"], frozen, batch)
@@ -121,8 +144,12 @@ class Trainer:
             rep = mesh_lib.replicated(self.mesh)
             state_sh = self.state_shardings(state)
             batch_sh = {k: mesh_lib.batch_sharding(self.mesh, v.ndim) for k, v in batch.items()}
-            self._step_fn = jax.jit(self._step, in_shardings=(state_sh, self.frozen_sh, batch_sh),
-                                    out_shardings=(state_sh, rep), donate_argnums=(0,))
+            self._step_fn = jax.jit(
+                self._step,
+                in_shardings=(state_sh, self.frozen_sh, batch_sh),
+                out_shardings=(state_sh, rep),
+                donate_argnums=(0,),
+            )
         return self._step_fn(state, self.frozen, batch)
 
     def put_batch(self, arrays: dict[str, np.ndarray]) -> dict:
@@ -131,8 +158,9 @@ class Trainer:
         out = {}
         for k, v in arrays.items():
             sh = mesh_lib.batch_sharding(self.mesh, v.ndim)
-            out[k] = (jax.device_put(v, sh) if jax.process_count() == 1
-                      else jax.make_array_from_process_local_data(sh, v))
+            out[k] = (
+                jax.device_put(v, sh) if jax.process_count() == 1 else jax.make_array_from_process_local_data(sh, v)
+            )
         return out
 
 
@@ -142,18 +170,25 @@ def group_label_logits(params, batch, cfg, *, remat: str = "none"):
     (`readout.rows_label_logits`, vmapped over groups): attention reads the prefix in place, so
     memory and work do not grow with copies of it per row, as with a per-row gathered cache."""
     E, R = batch["answer_ER"].shape
-    _, cache = models.forward(params, batch["prefix_EP"], None, cfg, valid_BT=batch["prefix_valid_EP"],
-                              readout_BR=jnp.zeros((E, 1), jnp.int32), remat=remat)
+    _, cache = models.forward(
+        params,
+        batch["prefix_EP"],
+        None,
+        cfg,
+        valid_BT=batch["prefix_valid_EP"],
+        readout_BR=jnp.zeros((E, 1), jnp.int32),
+        remat=remat,
+    )
     mapped = jax.tree.map(lambda x: x.ndim > 0, cache)
 
     def rows(cache_1, tokens_RT, valid_RT, answer_R, ids_RC):
         cache_1 = jax.tree.map(lambda x, m: x[None] if m else x, cache_1, mapped)
-        return readout.rows_label_logits(params, cache_1, None, tokens_RT, valid_RT, answer_R, ids_RC, cfg,
-                                         remat=remat)
+        return readout.rows_label_logits(params, cache_1, None, tokens_RT, valid_RT, answer_R, ids_RC, cfg, remat=remat)
 
     in_axes = (jax.tree.map(lambda m: 0 if m else None, mapped), 0, 0, 0, 0)
-    logits_ERC = jax.vmap(rows, in_axes=in_axes)(cache, batch["tokens_ERT"], batch["valid_ERT"], batch["answer_ER"],
-                                                 batch["label_ids_ERC"])
+    logits_ERC = jax.vmap(rows, in_axes=in_axes)(
+        cache, batch["tokens_ERT"], batch["valid_ERT"], batch["answer_ER"], batch["label_ids_ERC"]
+    )
     return logits_ERC.reshape(E * R, -1)
 
 
@@ -197,12 +232,22 @@ class Window:
         sps, tps = self.steps / dt_, self.tokens / dt_
         eta = (total - step) / sps if sps > 0 else float("nan")
         modes = " ".join(f"{k} {v:.3f}" for k, v in per_mode.items())
-        text = (f"step {step}/{total} {100 * step / total:5.1f}% | loss {mean:.4f} ({modes}) | "
-                f"lr {float(m[-1]['lr']):.2e} | {sps:.3f} steps/s | {tps:.0f} tok/s | elapsed {clock(elapsed)} | "
-                f"ETA {clock(eta) if math.isfinite(eta) else '?'} | {memory()}")
-        record = {"event": "progress", "step": step, "loss": mean, "loss_by_mode": per_mode,
-                  "lr": float(m[-1]["lr"]), "grad_norm": float(m[-1]["grad_norm"]), "steps_per_s": sps,
-                  "tokens_per_s": tps, "elapsed_s": round(elapsed, 2)}
+        text = (
+            f"step {step}/{total} {100 * step / total:5.1f}% | loss {mean:.4f} ({modes}) | "
+            f"lr {float(m[-1]['lr']):.2e} | {sps:.3f} steps/s | {tps:.0f} tok/s | elapsed {clock(elapsed)} | "
+            f"ETA {clock(eta) if math.isfinite(eta) else '?'} | {memory()}"
+        )
+        record = {
+            "event": "progress",
+            "step": step,
+            "loss": mean,
+            "loss_by_mode": per_mode,
+            "lr": float(m[-1]["lr"]),
+            "grad_norm": float(m[-1]["grad_norm"]),
+            "steps_per_s": sps,
+            "tokens_per_s": tps,
+            "elapsed_s": round(elapsed, 2),
+        }
         return text, record
 
 
@@ -222,13 +267,29 @@ def data_iterator(cfg: TrainConfig, data_dir: Path, renderer: batches.Renderer):
         if cfg.group_by_question:
             keys = batches.question_keys(data_dir)
             keep = [not cfg.readouts or k.split("|")[0] in cfg.readouts for k in keys]
-            return batches.keyed_iterator(data_dir, keys, keep=keep, batch_size=cfg.batch_size // n_proc, seed=cfg.seed,
-                                          window_batches=cfg.window_batches, transform=render,
-                                          shard_index=jax.process_index(), shard_count=n_proc)
-        return pipeline.make_iterator(data_dir, "train", batch_size=cfg.batch_size // n_proc, seed=cfg.seed,
-                                      num_epochs=None, window_batches=cfg.window_batches,
-                                      readouts=list(cfg.readouts) or None, transform=render,
-                                      shard_index=jax.process_index(), shard_count=n_proc)
+            return batches.keyed_iterator(
+                data_dir,
+                keys,
+                keep=keep,
+                batch_size=cfg.batch_size // n_proc,
+                seed=cfg.seed,
+                window_batches=cfg.window_batches,
+                transform=render,
+                shard_index=jax.process_index(),
+                shard_count=n_proc,
+            )
+        return pipeline.make_iterator(
+            data_dir,
+            "train",
+            batch_size=cfg.batch_size // n_proc,
+            seed=cfg.seed,
+            num_epochs=None,
+            window_batches=cfg.window_batches,
+            readouts=list(cfg.readouts) or None,
+            transform=render,
+            shard_index=jax.process_index(),
+            shard_count=n_proc,
+        )
     except ValueError as e:
         raise TrainingError(f"no training batches in {data_dir}: {e}") from None
 
@@ -244,15 +305,29 @@ def next_examples(it: Iterator, counters: dict) -> list[batches.Example]:
     raise TrainingError("1000 batches in a row had no example within max_tokens; raise --set max_tokens=...")
 
 
-def train(cfg: TrainConfig, run_dir: Path, backbone, data_dir: Path, *, mesh, resume: Path | None = None,
-          out: Callable[[str], None] = print, warn: Callable[[str], None] | None = None) -> dict:
+def train(
+    cfg: TrainConfig,
+    run_dir: Path,
+    backbone,
+    data_dir: Path,
+    *,
+    mesh,
+    resume: Path | None = None,
+    out: Callable[[str], None] = print,
+    warn: Callable[[str], None] | None = None,
+) -> dict:
     """Train `cfg.steps` steps (resuming from the newest checkpoint of `run_dir`, or from `resume`),
     checkpointing every `checkpoint_every` steps and at the end. Returns a summary."""
     from lev_jax.readout import Planner
 
     warn = warn or out
-    planner = Planner(backbone.tokenizer, prompt_style=cfg.prompt_style, layout=cfg.layout,
-                      noul_readout=cfg.noul_readout, option_averaging=cfg.option_averaging)
+    planner = Planner(
+        backbone.tokenizer,
+        prompt_style=cfg.prompt_style,
+        layout=cfg.layout,
+        noul_readout=cfg.noul_readout,
+        option_averaging=cfg.option_averaging,
+    )
     renderer = batches.Renderer(planner, seed=cfg.seed, round2=cfg.round2, max_tokens=cfg.max_tokens)
     it = data_iterator(cfg, data_dir, renderer)
     trainer = Trainer(cfg, backbone, mesh)
@@ -268,17 +343,21 @@ def train(cfg: TrainConfig, run_dir: Path, backbone, data_dir: Path, *, mesh, re
         except Exception:  # noqa: BLE001
             continue
         if not same_base(meta.get("base", {}), base):
-            raise TrainingError(f"checkpoint {source.path(s)} belongs to base model "
-                                f"{meta.get('base', {}).get('model')!r} ({meta.get('base', {}).get('name')}), "
-                                f"not {cfg.model!r} ({backbone.name}); use --fresh or another --out")
+            raise TrainingError(
+                f"checkpoint {source.path(s)} belongs to base model "
+                f"{meta.get('base', {}).get('model')!r} ({meta.get('base', {}).get('name')}), "
+                f"not {cfg.model!r} ({backbone.name}); use --fresh or another --out"
+            )
         break
     try:
         restored = source.restore(**targets, iterator=it, step=wanted)
     except Exception as e:  # noqa: BLE001 - a checkpoint asked for by name that cannot be read
         if wanted is None:
             raise
-        raise TrainingError(f"checkpoint {source.path(wanted)} cannot be restored into this run "
-                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        raise TrainingError(
+            f"checkpoint {source.path(wanted)} cannot be restored into this run "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
     history = checkpoint.read_history(run_dir)
     tokens_before, elapsed_before = 0, 0.0
     if restored is not None:
@@ -297,20 +376,41 @@ def train(cfg: TrainConfig, run_dir: Path, backbone, data_dir: Path, *, mesh, re
     window = Window(t_start)
     tokens = tokens_before
     step = start
-    out(f"training {cfg.preset}: steps {start}..{cfg.steps}, {cfg.batch_size} examples/step, "
+    out(
+        f"training {cfg.preset}: steps {start}..{cfg.steps}, {cfg.batch_size} examples/step, "
         f"{'full fine-tune' if cfg.full_finetune else f'LoRA r{cfg.lora_rank}'} "
         f"({lora.n_params(state['trainable']):,} trainable parameters), {cfg.dtype}, mesh {dict(mesh.shape)}, "
-        f"{len(jax.devices())} {jax.devices()[0].platform} device(s)")
+        f"{len(jax.devices())} {jax.devices()[0].platform} device(s)"
+    )
 
     def save(step: int):
         t0 = time.perf_counter()
         elapsed = elapsed_before + time.perf_counter() - t_start
-        meta = {"step": step, "epoch": counters["epoch"], "base": base, "tokens": tokens,
-                "elapsed_s": round(elapsed, 2), "skipped_examples": counters["skipped"], "config": cfg.to_json()}
-        path = ckpts.save(step, trainable=state["trainable"], opt_state=state["opt_state"], train=state["train"],
-                          meta=meta, iterator=it)
-        history.append({"event": "checkpoint", "step": step, "path": str(path.relative_to(run_dir.absolute())),
-                        "elapsed_s": round(elapsed, 2)})
+        meta = {
+            "step": step,
+            "epoch": counters["epoch"],
+            "base": base,
+            "tokens": tokens,
+            "elapsed_s": round(elapsed, 2),
+            "skipped_examples": counters["skipped"],
+            "config": cfg.to_json(),
+        }
+        path = ckpts.save(
+            step,
+            trainable=state["trainable"],
+            opt_state=state["opt_state"],
+            train=state["train"],
+            meta=meta,
+            iterator=it,
+        )
+        history.append(
+            {
+                "event": "checkpoint",
+                "step": step,
+                "path": str(path.relative_to(run_dir.absolute())),
+                "elapsed_s": round(elapsed, 2),
+            }
+        )
         if jax.process_index() == 0:  # one writer; Orbax coordinates the checkpoint itself
             checkpoint.write_history(run_dir, history)
         out(f"checkpoint step {step} -> {path} ({time.perf_counter() - t0:.1f} s)")

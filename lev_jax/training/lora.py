@@ -12,6 +12,7 @@ state), and it checkpoints and shards like any pytree.
 * ``merge``: the same sum outside training, giving plain weights a serving engine loads like any
   checkpoint.
 """
+
 from __future__ import annotations
 
 import math
@@ -77,8 +78,10 @@ def init(params, rank: int, *, targets: Iterable[str] = DEFAULT_TARGETS, seed: i
     for path, k in zip(paths, jax.random.split(key, len(paths))):
         fan_in, fan_out = flat[path].shape
         bound = 1.0 / math.sqrt(fan_in)
-        out[path] = {"a": jax.random.uniform(k, (fan_in, rank), jnp.float32, -bound, bound),
-                     "b": jnp.zeros((rank, fan_out), jnp.float32)}
+        out[path] = {
+            "a": jax.random.uniform(k, (fan_in, rank), jnp.float32, -bound, bound),
+            "b": jnp.zeros((rank, fan_out), jnp.float32),
+        }
     return out
 
 

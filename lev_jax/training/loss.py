@@ -16,6 +16,7 @@ CE and Brier are proper scoring rules: their minimum is at p = t, so the trained
 probability the calibration step only has to fine-tune. Padded code slots (beyond a row's codes)
 are masked out of the softmax; padded rows have weight 0. Everything here is fp32.
 """
+
 from __future__ import annotations
 
 import jax
@@ -38,8 +39,8 @@ def row_terms(logits_BC, target_BC, valid_BC, level_BC, ordinal_B):
     # sum_cj p_c t_j (l_c - l_j)^2 = E_p[l^2] - 2 E_p[l] E_t[l] + E_t[l^2]  (p and t each sum to 1)
     n_B = jnp.sum(valid_BC, axis=-1).astype(jnp.float32)
     l_BC = jnp.where(valid_BC, level_BC.astype(jnp.float32), 0.0) / jnp.maximum(n_B - 1.0, 1.0)[:, None]
-    ep, ep2 = jnp.sum(p_BC * l_BC, -1), jnp.sum(p_BC * l_BC ** 2, -1)
-    et, et2 = jnp.sum(t_BC * l_BC, -1), jnp.sum(t_BC * l_BC ** 2, -1)
+    ep, ep2 = jnp.sum(p_BC * l_BC, -1), jnp.sum(p_BC * l_BC**2, -1)
+    et, et2 = jnp.sum(t_BC * l_BC, -1), jnp.sum(t_BC * l_BC**2, -1)
     ord_B = jnp.where(ordinal_B, jnp.maximum(ep2 - 2.0 * ep * et + et2, 0.0), 0.0)
     return ce_B, brier_B, ord_B
 
@@ -49,8 +50,9 @@ def loss(logits_BC, batch, *, brier_weight: float = 0.5, ordinal_weight: float =
     level_BC, ordinal_B, mode_B (index into MODES) and weight_B (0 for padding rows).
     The loss is the weighted mean over rows; stats carries per-mode sums for logging:
     {"loss_sum_M", "rows_M", "ce_sum_M"} (M = len(MODES))."""
-    ce, brier, ordinal = row_terms(logits_BC, batch["target_BC"], batch["valid_BC"], batch["level_BC"],
-                                   batch["ordinal_B"])
+    ce, brier, ordinal = row_terms(
+        logits_BC, batch["target_BC"], batch["valid_BC"], batch["level_BC"], batch["ordinal_B"]
+    )
     per_row = ce + brier_weight * brier + ordinal_weight * ordinal
     w = batch["weight_B"].astype(jnp.float32)
     total = jnp.sum(per_row * w) / jnp.maximum(jnp.sum(w), 1e-9)

@@ -16,6 +16,7 @@ dimension whose size the mesh axis does not divide stays replicated, so any mode
 (a tiny test model on 2x2x2 included). A LoRA factor shards like its base kernel: `a` [in, r] takes
 the kernel's input-dimension rule, `b` [r, out] its output-dimension rule.
 """
+
 from __future__ import annotations
 
 import math
@@ -39,8 +40,10 @@ RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"embed_tokens\.embedding", ("tensor", "fsdp")),  # [vocab, width]
     (r"lm_head\.kernel", ("fsdp", "tensor")),  # [width, vocab]
     # projections out of the model width: [width, heads x dim | mlp width]
-    (r".*\.(q_proj|k_proj|v_proj|gate_proj|up_proj|in_proj_qkv|in_proj_z|in_proj_a|in_proj_b)\.kernel",
-     ("fsdp", "tensor")),
+    (
+        r".*\.(q_proj|k_proj|v_proj|gate_proj|up_proj|in_proj_qkv|in_proj_z|in_proj_a|in_proj_b)\.kernel",
+        ("fsdp", "tensor"),
+    ),
     # projections back into the model width: [heads x dim | mlp width, width]
     (r".*\.(o_proj|down_proj|out_proj)\.kernel", ("tensor", "fsdp")),
     (r".*\.(q_proj|k_proj|v_proj)\.bias", ("tensor",)),
@@ -50,7 +53,7 @@ _COMPILED = tuple((re.compile(p), axes) for p, axes in RULES)
 
 
 def parse(spec: str, n_devices: int) -> dict[str, int]:
-    """"data=2,fsdp=2,tensor=2" -> {axis: size}; axes not named are 1; "" puts every device on data.
+    """ "data=2,fsdp=2,tensor=2" -> {axis: size}; axes not named are 1; "" puts every device on data.
     The sizes must multiply to the device count."""
     sizes = {a: 1 for a in AXES}
     if not spec.strip():
@@ -99,6 +102,7 @@ def spec_for(axes: Sequence[str | None] | None, shape: Sequence[int], mesh: Mesh
 
 def param_shardings(params, mesh: Mesh):
     """NamedShardings for a parameter tree, by `RULES`."""
+
     def one(path, x):
         return NamedSharding(mesh, spec_for(rule(lora.path_str(path)), np.shape(x), mesh))
 
@@ -110,8 +114,10 @@ def adapter_shardings(adapter: Mapping, mesh: Mesh):
     out = {}
     for path, ab in adapter.items():
         axes = rule(path) or (None, None)
-        out[path] = {"a": NamedSharding(mesh, spec_for((axes[0], None), ab["a"].shape, mesh)),
-                     "b": NamedSharding(mesh, spec_for((None, axes[1]), ab["b"].shape, mesh))}
+        out[path] = {
+            "a": NamedSharding(mesh, spec_for((axes[0], None), ab["a"].shape, mesh)),
+            "b": NamedSharding(mesh, spec_for((None, axes[1]), ab["b"].shape, mesh)),
+        }
     return out
 
 
@@ -119,8 +125,10 @@ def like(tree, reference, reference_shardings, mesh: Mesh):
     """Shardings for `tree` (an optimiser state): a leaf whose path ends with a path of `reference`
     (the trainable tree; optax's moments mirror it) and has its shape takes that leaf's sharding;
     anything else (step counts, scalars) is replicated."""
-    ref = {tuple(_keys(p)): (np.shape(x), s) for (p, x), s in zip(
-        jax.tree_util.tree_flatten_with_path(reference)[0], jax.tree.leaves(reference_shardings))}
+    ref = {
+        tuple(_keys(p)): (np.shape(x), s)
+        for (p, x), s in zip(jax.tree_util.tree_flatten_with_path(reference)[0], jax.tree.leaves(reference_shardings))
+    }
     depth = max((len(k) for k in ref), default=0)
 
     def one(path, x):

@@ -14,6 +14,7 @@
 
 A preset whose memory estimate exceeds 90 % of the device refuses, naming the knob to turn.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -58,21 +59,57 @@ ACCELERATORS = {
 
 # Nominal Qwen3.5 text shapes for planning without a local checkpoint (a checkpoint directory's
 # config.json replaces them). Layer types: three Gated DeltaNet layers, then one attention layer.
-_QWEN35 = dict(model_type="qwen3_5_text", vocab_size=248320, head_dim=256, linear_key_head_dim=128,
-               linear_value_head_dim=128, linear_num_key_heads=16, rms_norm_eps=1e-6, full_attention_interval=4)
+_QWEN35 = dict(
+    model_type="qwen3_5_text",
+    vocab_size=248320,
+    head_dim=256,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_num_key_heads=16,
+    rms_norm_eps=1e-6,
+    full_attention_interval=4,
+)
 NOMINAL = {
-    "Qwen/Qwen3.5-0.8B-Base": dict(_QWEN35, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
-                                   num_attention_heads=8, num_key_value_heads=2, linear_num_value_heads=16,
-                                   tie_word_embeddings=True),
-    "Qwen/Qwen3.5-2B-Base": dict(_QWEN35, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
-                                 num_attention_heads=8, num_key_value_heads=2, linear_num_value_heads=16,
-                                 tie_word_embeddings=True),
-    "Qwen/Qwen3.5-4B-Base": dict(_QWEN35, hidden_size=2560, intermediate_size=9216, num_hidden_layers=32,
-                                 num_attention_heads=16, num_key_value_heads=4, linear_num_value_heads=32,
-                                 tie_word_embeddings=True),
-    "Qwen/Qwen3.5-9B-Base": dict(_QWEN35, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
-                                 num_attention_heads=16, num_key_value_heads=4, linear_num_value_heads=32,
-                                 tie_word_embeddings=False),
+    "Qwen/Qwen3.5-0.8B-Base": dict(
+        _QWEN35,
+        hidden_size=1024,
+        intermediate_size=3584,
+        num_hidden_layers=24,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        linear_num_value_heads=16,
+        tie_word_embeddings=True,
+    ),
+    "Qwen/Qwen3.5-2B-Base": dict(
+        _QWEN35,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=24,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        linear_num_value_heads=16,
+        tie_word_embeddings=True,
+    ),
+    "Qwen/Qwen3.5-4B-Base": dict(
+        _QWEN35,
+        hidden_size=2560,
+        intermediate_size=9216,
+        num_hidden_layers=32,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        linear_num_value_heads=32,
+        tie_word_embeddings=True,
+    ),
+    "Qwen/Qwen3.5-9B-Base": dict(
+        _QWEN35,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=32,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        linear_num_value_heads=32,
+        tie_word_embeddings=False,
+    ),
 }
 NOMINAL["Qwen/Qwen3.5-4B"] = NOMINAL["Qwen/Qwen3.5-4B-Base"]
 
@@ -106,15 +143,20 @@ class Estimate:
     def refusal(self) -> str:
         m = self.memory
         if m["activations"] >= max(m["weights"], m["optimiser"]):
-            knob = ("--set remat=full" if self.cfg.remat != "full" else
-                    f"--set batch_size={max(1, self.cfg.batch_size // 2)} (or more devices on --mesh data=N)")
+            knob = (
+                "--set remat=full"
+                if self.cfg.remat != "full"
+                else f"--set batch_size={max(1, self.cfg.batch_size // 2)} (or more devices on --mesh data=N)"
+            )
         elif m["optimiser"] > m["weights"]:
             knob = "--set lora_rank=32 (LoRA instead of a full fine-tune) or --mesh fsdp=N"
         else:
             knob = "--mesh fsdp=N (shard the weights) or --set dtype=bfloat16"
-        return (f"preset {self.cfg.preset!r} needs ~{self.total_memory / GiB:.1f} GiB per device, more than "
-                f"{HEADROOM:.0%} of {self.accelerator.memory / GiB:.0f} GiB on {self.accelerator.name}; "
-                f"turn {knob}")
+        return (
+            f"preset {self.cfg.preset!r} needs ~{self.total_memory / GiB:.1f} GiB per device, more than "
+            f"{HEADROOM:.0%} of {self.accelerator.memory / GiB:.0f} GiB on {self.accelerator.name}; "
+            f"turn {knob}"
+        )
 
 
 def model_config(cfg: TrainConfig):
@@ -154,8 +196,11 @@ def _counts(cfg: TrainConfig, mcfg) -> tuple[int, int]:
 
 def data_tokens(cfg: TrainConfig, data_dir: Path | None) -> tuple[float, int, str]:
     """(mean tokens per training example, train examples, description)."""
-    rows_of = {"choice": 2 if cfg.option_averaging else 1, "score": 1,
-               "noul_rating": 2 if (cfg.noul_readout == "binary" and cfg.option_averaging) else 1}
+    rows_of = {
+        "choice": 2 if cfg.option_averaging else 1,
+        "score": 1,
+        "noul_rating": 2 if (cfg.noul_readout == "binary" and cfg.option_averaging) else 1,
+    }
     if data_dir is None:
         return 2 * NOMINAL_ROW_TOKENS, 0, f"no data build (nominal {NOMINAL_ROW_TOKENS} tokens per row)"
     index = json.loads((Path(data_dir) / "train.index.json").read_text())
@@ -193,8 +238,22 @@ def estimate(cfg: TrainConfig, *, data_dir: Path | None = None, devices: int | N
     one_layer = 4 * (12 * E + 3 * F) * step_tokens  # the layer being recomputed
     activations = step_tokens * per_token_layer * L + one_layer
     memory = {"weights": weights, "optimiser": optimiser, "activations": activations}
-    return Estimate(cfg, acc, devices, str(cfg.model), shapes, params, trainable, n_examples, per_example, tokens,
-                    flops, hours, memory, data)
+    return Estimate(
+        cfg,
+        acc,
+        devices,
+        str(cfg.model),
+        shapes,
+        params,
+        trainable,
+        n_examples,
+        per_example,
+        tokens,
+        flops,
+        hours,
+        memory,
+        data,
+    )
 
 
 def _mesh_sizes(spec: str) -> dict[str, int]:
@@ -209,15 +268,18 @@ def report(e: Estimate) -> str:
     c = e.cfg
     kind = "full fine-tune" if c.full_finetune else f"LoRA r{c.lora_rank}"
     mem = " + ".join(f"{k} {v / GiB:.2f}" for k, v in e.memory.items())
-    return "\n".join([
-        f"plan {c.preset} on {e.devices} x {e.accelerator.name} (mesh {c.mesh or 'data=' + str(e.devices)})",
-        f"  model        {e.model}: {e.params / 1e9:.3f} B parameters ({e.shapes})",
-        f"  trainable    {kind}: {e.trainable / 1e6:.2f} M parameters, remat {c.remat}, compute {c.dtype}",
-        f"  data         {e.data}",
-        f"  tokens       {c.steps} steps x {c.batch_size} examples x ~{e.tokens_per_example:.0f} tokens "
-        f"= {e.tokens / 1e6:.2f} M real tokens",
-        f"  compute      {e.flops:.3g} FLOPs = {e.hours:.2f} h at {e.accelerator.utilisation:.0%} of "
-        f"{e.accelerator.peak / 1e12:.0f} TFLOP/s per device",
-        f"  memory       per device: {mem} = {e.total_memory / GiB:.2f} GiB of {e.accelerator.memory / GiB:.0f} GiB "
-        f"({e.total_memory / e.accelerator.memory:.0%}) {'ok' if e.fits else 'TOO MUCH'}",
-    ])
+    return "\n".join(
+        [
+            f"plan {c.preset} on {e.devices} x {e.accelerator.name} (mesh {c.mesh or 'data=' + str(e.devices)})",
+            f"  model        {e.model}: {e.params / 1e9:.3f} B parameters ({e.shapes})",
+            f"  trainable    {kind}: {e.trainable / 1e6:.2f} M parameters, remat {c.remat}, compute {c.dtype}",
+            f"  data         {e.data}",
+            f"  tokens       {c.steps} steps x {c.batch_size} examples x ~{e.tokens_per_example:.0f} tokens "
+            f"= {e.tokens / 1e6:.2f} M real tokens",
+            f"  compute      {e.flops:.3g} FLOPs = {e.hours:.2f} h at {e.accelerator.utilisation:.0%} of "
+            f"{e.accelerator.peak / 1e12:.0f} TFLOP/s per device",
+            f"  memory       per device: {mem} = {e.total_memory / GiB:.2f} GiB of "
+            f"{e.accelerator.memory / GiB:.0f} GiB "
+            f"({e.total_memory / e.accelerator.memory:.0%}) {'ok' if e.fits else 'TOO MUCH'}",
+        ]
+    )

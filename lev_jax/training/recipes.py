@@ -12,6 +12,7 @@
 The same as `python -m data build --offline --sources ... --out RUN_DIR/data` (the library call
 underneath it), with the recipe's question settings.
 """
+
 from __future__ import annotations
 
 import csv
@@ -28,8 +29,7 @@ _TOPICS = {
     "business": ["the merger", "the quarterly profit", "the stock market", "the bank", "the start-up"],
     "sci_tech": ["the new chip", "the space probe", "the software update", "the lab", "the telescope"],
 }
-_MOODS = [["awful", "dreadful"], ["dull", "weak"], ["fine", "ordinary"], ["good", "enjoyable"],
-          ["superb", "brilliant"]]
+_MOODS = [["awful", "dreadful"], ["dull", "weak"], ["fine", "ordinary"], ["good", "enjoyable"], ["superb", "brilliant"]]
 
 
 def _write_csv(path: Path, header: list[str], rows: list[list]) -> Path:
@@ -52,9 +52,11 @@ def tiny_sources(folder: Path, n: int = 240, seed: int = 0) -> dict[str, str]:
         news.append([f"Report {i}: {rng.choice(_TOPICS[topic])} made headlines again today.", topic])
         level = i % len(_MOODS)
         reviews.append([f"Review {i}: the film was {rng.choice(_MOODS[level])}.", level])
-    return {"ag_news": str(_write_csv(folder / "news.csv", ["text", "label"], news)),
-            "sst5": str(_write_csv(folder / "reviews.csv", ["text", "label"], reviews)),
-            "rotten_tomatoes": str(write_rotten_tomatoes_wheel(folder, n=n, seed=seed))}
+    return {
+        "ag_news": str(_write_csv(folder / "news.csv", ["text", "label"], news)),
+        "sst5": str(_write_csv(folder / "reviews.csv", ["text", "label"], reviews)),
+        "rotten_tomatoes": str(write_rotten_tomatoes_wheel(folder, n=n, seed=seed)),
+    }
 
 
 def build(cfg: TrainConfig, out: Path) -> dict:
@@ -67,13 +69,21 @@ def build(cfg: TrainConfig, out: Path) -> dict:
     if cfg.data_recipe == "tiny":
         files = tiny_sources(out / "sources", seed=cfg.seed)
         local = {name: local_from_arg(get_spec(name), path) for name, path in files.items()}
-        result = assemble(list(files), cfg=BuildConfig(seed=cfg.seed, limit_per_source=cfg.data_limit_per_source,
-                                                      tokenizer="chars"), local=local, use_hub=False)
+        result = assemble(
+            list(files),
+            cfg=BuildConfig(seed=cfg.seed, limit_per_source=cfg.data_limit_per_source, tokenizer="chars"),
+            local=local,
+            use_hub=False,
+        )
     elif cfg.data_recipe == "offline":
         sources = list(cfg.data_sources or OFFLINE_SOURCES)
         question = QuestionConfig(strip_fraction=cfg.data_strip_fraction, full_set_fraction=cfg.data_full_set_fraction)
-        result = assemble(sources, cfg=BuildConfig(seed=cfg.seed, limit_per_source=cfg.data_limit_per_source,
-                                                   question=question), use_hub=False, require=sources)
+        result = assemble(
+            sources,
+            cfg=BuildConfig(seed=cfg.seed, limit_per_source=cfg.data_limit_per_source, question=question),
+            use_hub=False,
+            require=sources,
+        )
     else:
         raise ValueError(f"no data recipe {cfg.data_recipe!r}")
     return write(result, out)

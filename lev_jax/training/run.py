@@ -13,6 +13,7 @@
 None, meta). `meta["engine"]` holds the prompt settings the run was trained with (pass them to
 `Engine`: the served rows must be the trained rows).
 """
+
 from __future__ import annotations
 
 import datetime as dt
@@ -106,8 +107,14 @@ def merged(cfg: TrainConfig, base, trainable, step: int, dtype: str):
     else:
         params = lora.merge(base.params, trainable, cfg.lora_scale)
     params = models.cast_params(params, base.config, dtype)
-    return Backbone(base.config, params, base.tokenizer, name=model_name(base.name, cfg, step),
-                    source=str(cfg.model), hf_config=base.hf_config)
+    return Backbone(
+        base.config,
+        params,
+        base.tokenizer,
+        name=model_name(base.name, cfg, step),
+        source=str(cfg.model),
+        hf_config=base.hf_config,
+    )
 
 
 def load_checkpoint(run_dir, step: int | None = None):
@@ -116,8 +123,7 @@ def load_checkpoint(run_dir, step: int | None = None):
     from lev_jax.training.checkpoint import Checkpoints
 
     run_dir = Path(run_dir)
-    got = (Checkpoints(run_dir, read_only=True).restore_trainable(step)
-           if (run_dir / CHECKPOINTS).is_dir() else None)
+    got = Checkpoints(run_dir, read_only=True).restore_trainable(step) if (run_dir / CHECKPOINTS).is_dir() else None
     if got is None:
         raise CheckpointError(f"{run_dir} has no readable checkpoint")
     return got
@@ -141,9 +147,18 @@ def load_run(run_dir, dtype: str = "float32"):
     if cal_path.is_file():
         cal = Calibration.load(cal_path)
         if cal.model_id != bb.name:
-            log.warning("%s was fitted for %s, not %s (a later checkpoint); serving uncalibrated",
-                        cal_path, cal.model_id, bb.name)
+            log.warning(
+                "%s was fitted for %s, not %s (a later checkpoint); serving uncalibrated",
+                cal_path,
+                cal.model_id,
+                bb.name,
+            )
             cal = None
-    meta = {"step": step, "config": cfg.to_json(), "base": ck_meta.get("base"), "run_dir": str(run_dir),
-            "engine": {k: getattr(cfg, k) for k in ENGINE_KEYS}}
+    meta = {
+        "step": step,
+        "config": cfg.to_json(),
+        "base": ck_meta.get("base"),
+        "run_dir": str(run_dir),
+        "engine": {k: getattr(cfg, k) for k in ENGINE_KEYS},
+    }
     return bb, cal, meta

@@ -1,4 +1,5 @@
 """Llama-family decoder (SmolLM2, Llama 2/3 without rope scaling, Qwen2 with qkv bias, Qwen3 with q/k norm)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -68,8 +69,10 @@ class LlamaConfig:
         return LlamaLM(self, dtype=dtype, rngs=rngs or nnx.Rngs(0))
 
     def layer_cache(self, batch: int, slots: int, dtype):
-        return tuple(kv_cache(batch, self.num_key_value_heads, slots, self.head_dim, dtype)
-                     for _ in range(self.num_hidden_layers))
+        return tuple(
+            kv_cache(batch, self.num_key_value_heads, slots, self.head_dim, dtype)
+            for _ in range(self.num_hidden_layers)
+        )
 
     def flops_per_token(self, context: int) -> float:
         """Forward FLOPs per token (matmuls only) at a given attended context length."""
@@ -82,9 +85,17 @@ class LlamaConfig:
 class LlamaLayer(nnx.Module):
     def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                                   eps=cfg.rms_norm_eps, qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm,
-                                   dtype=dtype, rngs=rngs)
+        self.self_attn = Attention(
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            eps=cfg.rms_norm_eps,
+            qkv_bias=cfg.qkv_bias,
+            qk_norm=cfg.qk_norm,
+            dtype=dtype,
+            rngs=rngs,
+        )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
 

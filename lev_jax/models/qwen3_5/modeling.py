@@ -5,6 +5,7 @@ chunked gated delta rule with an fp32 state, gated RMSNorm); "full_attention" = 
 q_proj whose second half gates the output, per-head zero-centred q/k norm and partial rotary (0.25).
 For text the three mrope sections all see the same position, so mrope reduces to plain rotary.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -47,8 +48,10 @@ class Qwen3_5Config:
     @classmethod
     def from_hf(cls, d: dict) -> Qwen3_5Config:
         if "text_config" in d:  # the VL checkpoint nests the language model's config
-            d = {**d["text_config"], "tie_word_embeddings": d.get("tie_word_embeddings",
-                                                                  d["text_config"].get("tie_word_embeddings", False))}
+            d = {
+                **d["text_config"],
+                "tie_word_embeddings": d.get("tie_word_embeddings", d["text_config"].get("tie_word_embeddings", False)),
+            }
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         n_layers = d["num_hidden_layers"]
         layer_types = d.get("layer_types") or [
@@ -95,11 +98,15 @@ class Qwen3_5Config:
             if kind == "full_attention":
                 out.append(kv_cache(batch, self.num_key_value_heads, slots, self.head_dim, dtype))
             else:
-                out.append({
-                    "conv": jnp.zeros((batch, self.linear_conv_kernel_dim - 1, self.conv_dim), jnp.float32),
-                    "state": jnp.zeros((batch, self.linear_num_value_heads, self.linear_key_head_dim,
-                                        self.linear_value_head_dim), jnp.float32),
-                })
+                out.append(
+                    {
+                        "conv": jnp.zeros((batch, self.linear_conv_kernel_dim - 1, self.conv_dim), jnp.float32),
+                        "state": jnp.zeros(
+                            (batch, self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim),
+                            jnp.float32,
+                        ),
+                    }
+                )
         return tuple(out)
 
     def flops_per_token(self, context: int) -> float:
@@ -301,9 +308,18 @@ class Qwen3_5Layer(nnx.Module):
         if kind == "linear_attention":
             self.linear_attn = GatedDeltaNet(cfg, dtype=dtype, rngs=rngs)
         else:
-            self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                       cfg.head_dim, eps=cfg.rms_norm_eps, qkv_bias=cfg.attention_bias,
-                                       qk_norm="zero_centered", output_gate=True, dtype=dtype, rngs=rngs)
+            self.self_attn = Attention(
+                cfg.hidden_size,
+                cfg.num_attention_heads,
+                cfg.num_key_value_heads,
+                cfg.head_dim,
+                eps=cfg.rms_norm_eps,
+                qkv_bias=cfg.attention_bias,
+                qk_norm="zero_centered",
+                output_gate=True,
+                dtype=dtype,
+                rngs=rngs,
+            )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True, dtype=dtype)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
 

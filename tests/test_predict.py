@@ -377,3 +377,17 @@ def test_shared_question_headers_equal_independent_full_forwards(engine_name, to
     keys = engine.programs(STATE, qs)
     assert sum(k[0] == "segment" for k in keys) >= 1 and sum(k[0] == "rows" for k in keys) >= 2
     _assert_close(engine.predict(STATE, qs), fast, tol=tol)
+
+
+def test_schema_first_computes_a_question_once_across_states(tiny):
+    """With the question before the state, a stream of states asked one question reuses the question
+    from the cross-request cache: the second state costs only its own tokens, answers unchanged."""
+    engine = lev_jax.Engine(tiny.backbone, layout="schema_first", option_averaging=False)
+    q = {"intent": _questions()["intent"]}
+    first, u1 = engine.predict_with_usage("The match ended in a draw.", q)
+    second, u2 = engine.predict_with_usage("Shares fell sharply on Monday.", q)
+    question = engine.plan("x", q).rows[0].stateless
+    assert question > 20 and u1["cached_input_tokens"] == 0
+    assert u2["cached_input_tokens"] >= question and u2["input_tokens"] - u2["cached_input_tokens"] < 40
+    _assert_close(second, engine.predict("Shares fell sharply on Monday.", q, reference=True))
+    _assert_close(first, engine.predict("The match ended in a draw.", q, reference=True))

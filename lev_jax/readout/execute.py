@@ -1,8 +1,10 @@
 """Execution (serving only): rows of planned requests -> label logits, in as few bucketed device
 calls as fit.
 
-Each request's state prefix is computed once (or taken from a cross-request LRU); when it pays, the
-question headers its rows share become a per-question cache segment; rows are grouped shortest
+Each request's state prefix is computed once (or taken from a cross-request LRU); with the schema
+first, the question before the state joins the prefix in that LRU (`Row.stateless`), so a stream of
+states asked one question computes the question once; when it pays, the question headers its rows
+share become a per-question cache segment; rows are grouped shortest
 first into calls padded to shape buckets; several requests' prefixes are stacked so their rows
 share calls; a call the anchored softmax cannot serve is rerun with the exact one.
 
@@ -140,9 +142,22 @@ class Executor:
         calls = [list(range(j, min(j + size, len(headers)))) for j in range(0, len(headers), size)]
         return sg, [(c, buckets.fit(len(c), buckets.ROWS, "rows")) for c in calls]
 
+    @staticmethod
+    def stateless_groups(prefix_ids: list[int], rows: list[Row]) -> list[tuple[list[int], list[int], list[Row]]]:
+        """Rows by their state-independent lead: (prefix_ids + that lead, row indices, the rows
+        without it), in first-seen order."""
+        groups: dict[tuple, tuple[list[int], list[Row]]] = {}
+        for i, r in enumerate(rows):
+            idx, rest = groups.setdefault(tuple(prefix_ids) + tuple(r.tokens[: r.stateless]), ([], []))
+            idx.append(i)
+            rest.append(Row(r.tokens[r.stateless :], r.label_ids))
+        return [(list(key), idx, rest) for key, (idx, rest) in groups.items()]
+
     def programs(self, prefix_ids: list[int], rows: list[Row]) -> set[tuple]:
         """The device programs (shape-bucket keys) reading `rows` after `prefix_ids` needs; a request
         whose keys were all seen before compiles nothing."""
+        if any(r.stateless for r in rows):
+            return set().union(*(self.programs(key, rest) for key, _, rest in self.stateless_groups(prefix_ids, rows)))
         p = len(prefix_ids)
         pb = buckets.fit(p, buckets.PREFIX[1:], "prefix length") if p else 0
         keys = {("prefill", pb)} if pb else set()
@@ -182,6 +197,8 @@ class Executor:
         """Label logits for every row of every (prefix_ids, rows) entry: each prefix computed once
         (or taken from the cross-request cache), then all rows of all entries in as few batched
         calls as fit; several entries' prefixes are stacked and each row reads its own."""
+        if any(r.stateless for _, rows in entries for r in rows):
+            return [self.read_stateless(p, rows, u) for (p, rows), u in zip(entries, usages)]
         caches = []
         for (prefix_ids, rows), usage in zip(entries, usages):
             cache, hit = self.prefix_cache(prefix_ids)
@@ -201,6 +218,18 @@ class Executor:
             flat = [(k, r) for k, (_, rows) in enumerate(part) for r in rows]
             it = iter(self.read_rows(stacked, [r for _, r in flat], [k for k, _ in flat]))
             out.extend([next(it) for _ in rows] for _, rows in part)
+        return out
+
+    def read_stateless(self, prefix_ids, rows: list[Row], usage: Usage) -> list[np.ndarray]:
+        """Rows whose state-independent lead joins the prefix (schema first): each distinct prefix +
+        lead computed once or taken from the cross-request cache, then the rest of its rows."""
+        out: list = [None] * len(rows)
+        for key, idx, rest in self.stateless_groups(prefix_ids, rows):
+            cache, hit = self.prefix_cache(key)
+            usage.processed += len(key) + sum(len(r.tokens) for r in rest)
+            usage.cached += len(key) if hit else 0
+            for i, logits in zip(idx, self.read_rows(cache, rest, None)):
+                out[i] = logits
         return out
 
     def read_reference(self, entries, usages) -> list[list[np.ndarray]]:

@@ -24,6 +24,10 @@ class Row:
     tokens: list[int]  # the row's suffix after the shared prefix; the answer is read after its last token
     label_ids: list[int]  # vocabulary ids to read, one per code position
     header: int = 0  # leading tokens the row shares with the other rows of its readout (a cache segment)
+    # leading tokens that do not depend on the state (schema first: the question before the state);
+    # the executor keeps them with the prefix in its cross-request cache, so a stream of states asked
+    # one question computes the question once
+    stateless: int = 0
 
 
 @dataclasses.dataclass
@@ -184,7 +188,13 @@ class Planner:
 
     def _row(self, state_text: str, question_text: str, label_ids, lead: str = "") -> Row:
         p = self.format.build(state_text, question_text, self.layout)
-        return Row(self.tokenizer.encode(p.suffix + lead), list(label_ids))
+        row = Row(self.tokenizer.encode(p.suffix + lead), list(label_ids))
+        if self.layout == "schema_first":
+            # the tokens the row shares with the question alone: the same for every state (a
+            # boundary token the state's first characters could change is left out)
+            alone = self.tokenizer.encode(question_text)
+            row.stateless = min(len(os.path.commonprefix([row.tokens, alone])), len(row.tokens) - 1)
+        return row
 
     # -- readouts ----------------------------------------------------------------------------------
     def choice_readout(self, state_text: str, q: dict, idx: list[int]) -> Readout:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from lev_jax import backbone as backbone_lib
-from lev_jax import buckets, domain, readout
+from lev_jax import buckets, domain, programs, readout
 from lev_jax.backbone import Backbone, compiled_programs
 from lev_jax.calibrate import Calibration
 from lev_jax.errors import RequestError
@@ -100,6 +100,7 @@ class Engine:
     ) -> list[dict]:
         """Answers of planned requests. `reader` (default: the executor's fast path) maps
         [(prefix_ids, rows)] to label logits; `calibration` defaults to the engine's."""
+        programs.guard()  # a long-lived process must not run out of memory-map entries (programs.py)
         return readout.run(plans, reader or self.executor.read, usages, self.planner, calibration or self.calibration)
 
     def predict(self, state, questions, *, reference: bool = False, calibration: Calibration | None = None) -> dict:

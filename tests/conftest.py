@@ -4,6 +4,7 @@ tight, and loading the embedded model or saving a tiny checkpoint costs seconds 
 import pytest
 
 import lev_jax
+from lev_jax import programs
 from lev_jax.loaders.gguf import embedded_default_path
 
 
@@ -17,3 +18,14 @@ def gguf_path():
 def embedded():
     """The embedded model's fp32 backbone; `lev_jax.load(embedded, ...)` makes engines over it."""
     return lev_jax.load_backbone()
+
+
+@pytest.fixture(autouse=True)
+def _free_compiled_programs_near_the_map_limit():
+    """The whole suite runs in one process and compiles thousands of programs; XLA:CPU maps each
+    one's code into memory regions of its own, and past vm.max_map_count the next compile crashes
+    the process (lev_jax/programs.py). Free them between tests well before that."""
+    yield
+    used = programs.maps_in_use()
+    if used is not None and used > 0.3 * programs.map_limit():
+        programs.free_compiled()

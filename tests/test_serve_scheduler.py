@@ -302,3 +302,29 @@ def test_metrics_keep_their_names_labels_and_buckets():
     assert families["lev_uptime_seconds"].samples[0].value >= 0
     # no engine count (or a broken one): no lev_compiled_programs family at all
     assert "lev_compiled_programs" not in Metrics(compiled_programs=lambda: None).render().decode("utf-8")
+
+
+def test_stop_waits_for_the_device_call_in_flight():
+    """No device thread outlives its scheduler (a later server's compiles would overlap it); a
+    drain that gave up does not wait any longer."""
+
+    async def main():
+        rb = Recorder(delay=0.3)
+        s = await _started(rb)
+        t = s.submit("running", {}, 1)
+        await asyncio.sleep(0.05)  # inside run_batch now
+        await s.stop()
+        assert rb.batches == [["running"]]  # the call had finished when stop() returned
+        with pytest.raises(ShuttingDown):
+            t.future.result()
+
+        rb2 = Recorder()
+        rb2.gate.clear()
+        s2 = await _started(rb2)
+        s2.submit("stuck", {}, 1)
+        t0 = time.perf_counter()
+        assert await s2.drain(0.1) is False
+        assert time.perf_counter() - t0 < 5  # the gate holds the call for 10 s
+        rb2.gate.set()
+
+    run(main())

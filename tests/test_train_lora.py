@@ -46,6 +46,11 @@ def test_targets_cover_attention_mlp_and_deltanet(pair, adapter):
     # a target pattern picks kernels by path
     only = lora.target_paths(bb.params, [r"layers\.1\.self_attn\.(q|v)_proj\.kernel"])
     assert only == ["layers.1.self_attn.q_proj.kernel", "layers.1.self_attn.v_proj.kernel"]
+    # lora_layers: only the last K decoder layers, every target in them
+    n_layers = 1 + max(lora.layer_of(p) for p in adapter)
+    top = lora.init(bb.params, RANK, top_layers=1)
+    assert {lora.layer_of(p) for p in top} == {n_layers - 1}
+    assert sorted(top) == sorted(p for p in adapter if lora.layer_of(p) == n_layers - 1)
 
 
 def test_merged_weights_give_the_logits_of_base_plus_adapter(pair, adapter):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import functools
 import logging
 import math
 import time
@@ -27,6 +28,7 @@ from typing import Any
 log = logging.getLogger("lev_jax.server")
 
 MAX_RETRY_AFTER_S = 60.0
+STOP_WAIT_S = 120.0  # how long stop() waits for a device call in flight
 RunBatch = Callable[[Sequence[tuple[Any, dict]]], Sequence[Any]]
 
 
@@ -125,10 +127,11 @@ class Scheduler:
                 await asyncio.wait_for(self._idle.wait(), timeout)
             except TimeoutError:
                 done = False
-        await self.stop()
+        await self.stop(wait_s=STOP_WAIT_S if done else 0.0)  # given up: do not wait any longer
         return done
 
-    async def stop(self) -> None:
+    async def stop(self, wait_s: float = STOP_WAIT_S) -> None:
+        """Refuse and cancel what is queued; wait up to `wait_s` for a device call in flight."""
         self._closing = True
         if self._worker is not None:
             self._worker.cancel()
@@ -142,8 +145,16 @@ class Scheduler:
                 t.future.set_exception(ShuttingDown())
         self._queue.clear()
         if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = None
+            executor, self._executor = self._executor, None
+            # A device call in flight cannot be interrupted; wait for it (off the event loop, bounded),
+            # so no device thread outlives its server and overlaps the next one's compiles.
+            done = asyncio.get_running_loop().run_in_executor(
+                None, functools.partial(executor.shutdown, wait=True, cancel_futures=True)
+            )
+            try:
+                await asyncio.wait_for(done, wait_s)
+            except TimeoutError:
+                log.warning("stop: a device call is still running after %gs; leaving it behind", wait_s)
 
     # -- admission -----------------------------------------------------------------------------
     @property

@@ -55,7 +55,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def setup_runtime() -> None:
-    """XLA flags, the compilation cache and (optionally) jax.distributed, before JAX starts."""
+    """XLA flags, the compilation cache and (optionally) jax.distributed, before JAX starts (a
+    process-wide setting: called once a command is known to run)."""
     flags = os.environ.get("XLA_FLAGS", "")
     for f in XLA_DEFAULTS:
         if f.split("=")[0] not in flags:
@@ -194,13 +195,16 @@ def resolve_config(args, run_dir: Path):
 
 def train_main(argv: Sequence[str], out=print) -> int:
     args = _train_parser().parse_args(argv)
+    run_dir = Path(args.out)
+    cfg = resolve_config(args, run_dir)
+    # only now that the command line is good: a bad one (or an in-process caller's) leaves the
+    # process's JAX configuration (its compilation cache above all) as it was
+    setup_runtime()
     import jax
 
     from lev_jax.training import calibration, loop, run
     from lev_jax.training import mesh as mesh_lib
 
-    run_dir = Path(args.out)
-    cfg = resolve_config(args, run_dir)
     resume = Path(args.resume) if args.resume else None
     if resume is not None and not resume.exists():
         raise DataError(f"--resume {resume}: no such checkpoint or run directory")
@@ -244,7 +248,6 @@ def plan_main(argv: Sequence[str], out=print) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    setup_runtime()
     from lev_jax.data.guard import ContaminationError
     from lev_jax.errors import CheckpointError
     from lev_jax.training.config import ConfigError

@@ -36,6 +36,7 @@ class TrainConfig:
     lora_rank: int = 32  # 0 = full fine-tune (every parameter trains, fp32 master copy)
     lora_alpha: float = 32.0  # LoRA scale = alpha / rank
     lora_targets: tuple[str, ...] = lora.DEFAULT_TARGETS
+    lora_layers: int = 0  # > 0: adapt only the last that many decoder layers (the rest run forward only)
     remat: str = "none"  # per-layer rematerialisation policy (lev_jax.models.REMAT_POLICIES)
     # -- data ----------------------------------------------------------------------------------
     data: str = ""  # a `python -m data build` directory; "" = build `data_recipe` into RUN_DIR/data
@@ -92,6 +93,7 @@ class TrainConfig:
             (self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}"),
             (self.lora_rank >= 0, "lora_rank must be >= 0 (0 = full fine-tune)"),
             (self.lora_alpha > 0, "lora_alpha must be > 0"),
+            (self.lora_layers >= 0, "lora_layers must be >= 0 (0 = every layer)"),
             (self.remat in REMAT_POLICIES, f"remat must be one of {', '.join(REMAT_POLICIES)}"),
             (self.data_recipe in DATA_RECIPES, f"data_recipe must be one of {', '.join(map(repr, DATA_RECIPES))}"),
             (self.prompt_style in prompt.STYLES, f"prompt_style must be one of {', '.join(prompt.STYLES)}"),

@@ -90,7 +90,9 @@ class Trainer:
         if cfg.full_finetune:
             trainable = jax.tree.map(lambda x: x.astype(jnp.float32), self.base)
         else:
-            trainable = lora.init(self.base, cfg.lora_rank, targets=cfg.lora_targets, key=k_init)
+            trainable = lora.init(
+                self.base, cfg.lora_rank, targets=cfg.lora_targets, top_layers=cfg.lora_layers, key=k_init
+            )
         state = {
             "trainable": trainable,
             "opt_state": self.optimizer.init(trainable),

@@ -50,9 +50,20 @@ def flatten(tree) -> dict[str, jax.Array]:
     return {path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def target_paths(params, targets: Iterable[str] = DEFAULT_TARGETS) -> list[str]:
+def layer_of(path: str) -> int | None:
+    """The decoder layer index of a dotted path (``layers.7.mlp...`` -> 7), None outside the layers."""
+    parts = path.split(SEP)
+    for i, p in enumerate(parts[:-1]):
+        if p == "layers" and parts[i + 1].isdigit():
+            return int(parts[i + 1])
+    return None
+
+
+def target_paths(params, targets: Iterable[str] = DEFAULT_TARGETS, top_layers: int = 0) -> list[str]:
     """Paths of the 2-D kernels LoRA adapts: a kernel whose module name is a target, or whose path
-    matches a target given as a regular expression (``re.fullmatch`` on the dotted path)."""
+    matches a target given as a regular expression (``re.fullmatch`` on the dotted path).
+    `top_layers` > 0 keeps only the last that many decoder layers: no gradient then flows below
+    them, so the layers underneath run forward only (no backward, no saved activations)."""
     names = set(targets)
     patterns = [re.compile(t) for t in names if any(c in t for c in "\\.*+?[](|)^$")]
     out = []
@@ -62,15 +73,21 @@ def target_paths(params, targets: Iterable[str] = DEFAULT_TARGETS) -> list[str]:
             continue
         if parts[-2] in names or any(p.fullmatch(path) for p in patterns):
             out.append(path)
+    if top_layers > 0:
+        n_layers = 1 + max((layer_of(p) for p in out if layer_of(p) is not None), default=-1)
+        out = [p for p in out if (i := layer_of(p)) is not None and i >= n_layers - top_layers]
     return out
 
 
-def init(params, rank: int, *, targets: Iterable[str] = DEFAULT_TARGETS, seed: int = 0, key=None) -> dict:
-    """A fresh fp32 adapter for `params`: a ~ U(-1/sqrt(in), 1/sqrt(in)), b = 0."""
+def init(
+    params, rank: int, *, targets: Iterable[str] = DEFAULT_TARGETS, top_layers: int = 0, seed: int = 0, key=None
+) -> dict:
+    """A fresh fp32 adapter for `params`: a ~ U(-1/sqrt(in), 1/sqrt(in)), b = 0 (`top_layers`:
+    see `target_paths`)."""
     if rank < 1:
         raise ValueError(f"LoRA rank must be >= 1, got {rank}")
     flat = flatten(params)
-    paths = target_paths(params, targets)
+    paths = target_paths(params, targets, top_layers)
     if not paths:
         raise ValueError(f"no kernel matches the LoRA targets {sorted(targets)}")
     key = jax.random.key(seed) if key is None else key

@@ -6,7 +6,8 @@
             nominal 300 tokens per row;
 * FLOPs   - the model's forward matmul FLOPs per token (its config's `flops_per_token`) times 3 for
             a LoRA step (forward, input gradients, the merged weights' gradient) or a full fine-tune,
-            plus one forward more under remat "full" (the recomputation);
+            plus one forward more under remat "full" (the recomputation); with `lora_layers` the
+            layers below the adapted ones run forward only;
 * hours   - FLOPs / (peak x an assumed utilisation) of the accelerator;
 * memory  - per device: the frozen weights (compute dtype) and the trainable tree, its gradient and
             Adam's two moments (fp32), sharded over fsdp x tensor, plus activations for this device's
@@ -190,7 +191,7 @@ def _counts(cfg: TrainConfig, mcfg) -> tuple[int, int]:
     params = int(sum(math.prod(x.shape) for x in flat.values()))
     if cfg.full_finetune:
         return params, params
-    paths = lora.target_paths(abstract, cfg.lora_targets)
+    paths = lora.target_paths(abstract, cfg.lora_targets, cfg.lora_layers)
     return params, int(sum(cfg.lora_rank * (flat[p].shape[0] + flat[p].shape[1]) for p in paths))
 
 
@@ -224,19 +225,22 @@ def estimate(cfg: TrainConfig, *, data_dir: Path | None = None, devices: int | N
     examples = cfg.steps * cfg.batch_size
     tokens = examples * per_example
     context = per_example / 2
-    passes = 3 + (1 if cfg.remat == "full" else 0)
+    L = mcfg.num_hidden_layers
+    # layers under `lora_layers` run forward only: no gradient flows below the lowest adapted layer
+    trained = min(cfg.lora_layers, L) / L if (cfg.lora_layers and not cfg.full_finetune) else 1.0
+    passes = 1 + (2 + (1 if cfg.remat == "full" else 0)) * trained
     flops = passes * mcfg.flops_per_token(context) * tokens
     hours = flops / (acc.peak * acc.utilisation * devices) / 3600
     dtype_bytes = 2 if cfg.dtype == "bfloat16" else 4
     shard = sizes["fsdp"] * sizes["tensor"]
     weights = params * (4 if cfg.full_finetune else dtype_bytes) / shard
     optimiser = trainable * 4 * 3 / shard  # gradient + two Adam moments, fp32
-    E, F, L = mcfg.hidden_size, mcfg.intermediate_size, mcfg.num_hidden_layers
+    E, F = mcfg.hidden_size, mcfg.intermediate_size
     batch_split = sizes["data"] * sizes["fsdp"]
     step_tokens = cfg.batch_size * per_example / batch_split
     per_token_layer = {"none": 4 * (12 * E + 3 * F), "dots": 4 * (6 * E + 2 * F), "full": 4 * E}[cfg.remat]
     one_layer = 4 * (12 * E + 3 * F) * step_tokens  # the layer being recomputed
-    activations = step_tokens * per_token_layer * L + one_layer
+    activations = step_tokens * per_token_layer * L * trained + one_layer
     memory = {"weights": weights, "optimiser": optimiser, "activations": activations}
     return Estimate(
         cfg,

@@ -1,6 +1,6 @@
 """Real tokens/s of one LoRA training step on the embedded model: lev-jax vs transformers + peft.
 
-    python -m scripts.bench_train [--examples 8] [--rank 16] [--dtype bfloat16|float32] [--remat none]
+    python -m scripts.bench_train [--examples 8] [--rank 16] [--dtype bfloat16|float32] [--remat none] [--lora-layers K]
 
 Same batch, same rows, same LoRA, same dtype, measured in the same run (best of --repeats after a
 warm-up step); prints both rates and their ratio. The logic is lev_jax/training/bench.py.
@@ -19,6 +19,7 @@ def main(argv=None):
     ap.add_argument("--alpha", type=float, default=32.0)
     ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     ap.add_argument("--remat", default="none", choices=("none", "dots", "full"))
+    ap.add_argument("--lora-layers", type=int, default=0, help="adapt only the last K layers (both sides)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2, help="PyTorch intra-op threads")
     ap.add_argument("--json", action="store_true", help="print the result as JSON too")
@@ -36,6 +37,7 @@ def main(argv=None):
         remat=args.remat,
         repeats=args.repeats,
         threads=args.threads,
+        layers=args.lora_layers,
     )
     if args.json:
         print(json.dumps(result))

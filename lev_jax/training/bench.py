@@ -61,14 +61,24 @@ def _best(fn, repeats: int) -> float:
     return best
 
 
-def jax_step_seconds(bb, examples, *, rank: int, alpha: float, dtype: str, remat: str, repeats: int) -> float:
+def jax_step_seconds(
+    bb, examples, *, rank: int, alpha: float, dtype: str, remat: str, repeats: int, layers: int = 0
+) -> float:
     import jax
 
     from lev_jax.training import batches, config, loop
     from lev_jax.training import mesh as mesh_lib
 
     cfg = config.TrainConfig(
-        preset="bench", dtype=dtype, lora_rank=rank, lora_alpha=alpha, remat=remat, lr=1e-4, warmup_steps=0, steps=1000
+        preset="bench",
+        dtype=dtype,
+        lora_rank=rank,
+        lora_alpha=alpha,
+        lora_layers=layers,
+        remat=remat,
+        lr=1e-4,
+        warmup_steps=0,
+        steps=1000,
     ).validate()
     trainer = loop.Trainer(cfg, bb, mesh_lib.make("", devices=jax.devices()[:1]))
     holder = {"state": trainer.init_state()}
@@ -82,7 +92,9 @@ def jax_step_seconds(bb, examples, *, rank: int, alpha: float, dtype: str, remat
     return _best(step, repeats)
 
 
-def torch_step_seconds(examples, *, rank: int, alpha: float, dtype: str, repeats: int, threads: int) -> float:
+def torch_step_seconds(
+    examples, *, rank: int, alpha: float, dtype: str, repeats: int, threads: int, layers: int = 0
+) -> float:
     import peft
     import torch
 
@@ -94,8 +106,11 @@ def torch_step_seconds(examples, *, rank: int, alpha: float, dtype: str, repeats
     model = transformers_gguf_model(embedded_default_path())
     if dtype == "bfloat16":
         model = model.to(torch.bfloat16)
+    n_layers = model.config.num_hidden_layers
+    top = {"layers_to_transform": list(range(n_layers - layers, n_layers))} if layers else {}
     model = peft.get_peft_model(
-        model, peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(lora.DEFAULT_TARGETS))
+        model,
+        peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(lora.DEFAULT_TARGETS), **top),
     )
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
@@ -135,6 +150,7 @@ def run(
     remat: str = "none",
     repeats: int = 3,
     threads: int = 2,
+    layers: int = 0,
     out=print,
 ) -> dict:
     import lev_jax
@@ -148,11 +164,14 @@ def run(
     n_rows = sum(len(ex.rows) for ex in exs)
     out(
         f"batch: {examples} examples, {n_rows} rows (both option orders), {row_tokens} real row tokens, "
-        f"LoRA r{rank} alpha {alpha:g} on every projection, {dtype}"
+        f"LoRA r{rank} alpha {alpha:g} on every projection of "
+        f"{f'the last {layers} layers' if layers else 'every layer'}, {dtype}"
     )
-    t_jax = jax_step_seconds(bb, exs, rank=rank, alpha=alpha, dtype=dtype, remat=remat, repeats=repeats)
+    t_jax = jax_step_seconds(bb, exs, rank=rank, alpha=alpha, dtype=dtype, remat=remat, repeats=repeats, layers=layers)
     out(f"lev-jax       {t_jax * 1000:8.0f} ms/step  {row_tokens / t_jax:8.0f} tokens/s  (remat {remat})")
-    t_torch = torch_step_seconds(exs, rank=rank, alpha=alpha, dtype=dtype, repeats=repeats, threads=threads)
+    t_torch = torch_step_seconds(
+        exs, rank=rank, alpha=alpha, dtype=dtype, repeats=repeats, threads=threads, layers=layers
+    )
     out(
         f"transformers  {t_torch * 1000:8.0f} ms/step  {row_tokens / t_torch:8.0f} tokens/s  (+ peft, "
         f"{threads} threads)"
@@ -164,6 +183,7 @@ def run(
         "rows": n_rows,
         "row_tokens": row_tokens,
         "dtype": dtype,
+        "lora_layers": layers,
         "jax_s": t_jax,
         "torch_s": t_torch,
         "jax_tokens_per_s": row_tokens / t_jax,

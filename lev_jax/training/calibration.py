@@ -45,14 +45,44 @@ def _gold(record) -> int | bool | None:
     return int(record["target"]) == domain.RATING_YES
 
 
-def records(data_dir: Path, limit: int, seed: int = 0, readouts=()) -> list[dict]:
+def full_set(record: dict) -> dict:
+    """`record` asked as its source's whole canonical taxonomy (every option, registry order, the
+    record's own option descriptions), when it is a large choice of a fixed taxonomy; else as is.
+
+    The build's calibration split asks large taxonomies over random option subsets in random order
+    (one per band); a model trained on the canonical full set answers those differently from the
+    full-set questions it serves, so temperatures fitted on them do not transfer."""
+    from lev_jax.data.questions import LARGE_TAXONOMY
+    from lev_jax.data.registry import REGISTRY
+
+    q = record["question"]
+    spec = REGISTRY.get(record.get("source", ""))
+    if q["type"] != domain.CHOICE or spec is None or not spec.options or len(spec.options) <= LARGE_TAXONOMY:
+        return record
+    if len(q["criteria"]) <= LARGE_TAXONOMY or record.get("target") not in {o.key for o in spec.options}:
+        return record
+    own = q["criteria"]
+    criteria = {o.key: own.get(o.key) for o in spec.options}
+    question = {**q, "criteria": criteria}
+    return {
+        **record,
+        "question": question,
+        "target_dist": [float(k == record["target"]) for k in criteria],
+        "band": domain.band_of(len(criteria)),
+    }
+
+
+def records(data_dir: Path, limit: int, seed: int = 0, readouts=(), full_sets: bool = False) -> list[dict]:
     """About `limit` labelled calibration-split records: a seeded shuffle (not a head slice), spread
     evenly over the temperature buckets (question type, readout, option band), each given at least
-    `calibrate.MIN_ROWS` where the split has them, so no bucket is left at T = 1 for want of rows."""
+    `calibrate.MIN_ROWS` where the split has them, so no bucket is left at T = 1 for want of rows.
+    `full_sets`: large taxonomies asked with every option (`full_set`), as such a run trains them."""
     from lev_jax.data.build import read_split
 
     rows = [
-        r for r in read_split(data_dir, SPLIT) if _gold(r) is not None and (not readouts or r["readout"] in readouts)
+        full_set(r) if full_sets else r
+        for r in read_split(data_dir, SPLIT)
+        if _gold(r) is not None and (not readouts or r["readout"] in readouts)
     ]
     order = hash_order([r["uid"] for r in rows], seed, "calibration-sample")
     by_bucket: dict[tuple, list[dict]] = {}
@@ -116,7 +146,9 @@ def fit_run(cfg, run_dir: Path, backbone, data_dir: Path, *, out: Callable[[str]
     (None when the calibration split has no labelled record)."""
     from lev_jax.engine import Engine
 
-    recs = records(data_dir, cfg.calibration_rows, cfg.seed, cfg.readouts)
+    recs = records(
+        data_dir, cfg.calibration_rows, cfg.seed, cfg.readouts, full_sets=cfg.data_full_set_fraction >= 1.0
+    )
     if not recs:
         out("calibration: the calibration split has no labelled record; no temperatures fitted")
         return None

@@ -146,9 +146,7 @@ def fit_run(cfg, run_dir: Path, backbone, data_dir: Path, *, out: Callable[[str]
     (None when the calibration split has no labelled record)."""
     from lev_jax.engine import Engine
 
-    recs = records(
-        data_dir, cfg.calibration_rows, cfg.seed, cfg.readouts, full_sets=cfg.data_full_set_fraction >= 1.0
-    )
+    recs = records(data_dir, cfg.calibration_rows, cfg.seed, cfg.readouts, full_sets=cfg.data_full_set_fraction >= 1.0)
     if not recs:
         out("calibration: the calibration split has no labelled record; no temperatures fitted")
         return None

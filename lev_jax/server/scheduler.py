@@ -146,6 +146,9 @@ class Scheduler:
         self._queue.clear()
         if self._executor is not None:
             executor, self._executor = self._executor, None
+            if wait_s <= 0:
+                executor.shutdown(wait=False, cancel_futures=True)
+                return
             # A device call in flight cannot be interrupted; wait for it (off the event loop, bounded),
             # so no device thread outlives its server and overlaps the next one's compiles.
             done = asyncio.get_running_loop().run_in_executor(

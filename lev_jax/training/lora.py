@@ -73,8 +73,8 @@ def target_paths(params, targets: Iterable[str] = DEFAULT_TARGETS, top_layers: i
             continue
         if parts[-2] in names or any(p.fullmatch(path) for p in patterns):
             out.append(path)
-    if top_layers > 0:
-        n_layers = 1 + max((layer_of(p) for p in out if layer_of(p) is not None), default=-1)
+    if top_layers > 0:  # the model's last layers, whichever of their kernels the targets picked
+        n_layers = 1 + max((i for p in flatten(params) if (i := layer_of(p)) is not None), default=-1)
         out = [p for p in out if (i := layer_of(p)) is not None and i >= n_layers - top_layers]
     return out
 

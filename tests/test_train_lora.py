@@ -89,13 +89,24 @@ def test_merged_weights_give_the_logits_of_base_plus_adapter(pair, adapter):
     ours = np.asarray(lev_jax.Backbone(bb.config, merged).logits(ids))
     np.testing.assert_allclose(ours, peft_logits, atol=1e-4, rtol=0)  # the model's own parity tolerance
 
-    # the training path: the adapter applied inside jit gives the merged model's logits
+    # the training path: the adapter applied to the activations inside jit (x W + (x A) sB, as peft
+    # computes it) gives peft's logits, and the merged model's up to fp32 rounding
     @jax.jit
     def train_logits(params, ad):
-        h, _ = models.forward(lora.apply(params, ad, scale), jnp.asarray(ids), None, bb.config)
-        return models.head_logits(lora.apply(params, ad, scale), h, bb.config)
+        p = lora.apply(params, ad, scale)
+        h, _ = models.forward(p, jnp.asarray(ids), None, bb.config)
+        return models.head_logits(p, h, bb.config)
 
-    np.testing.assert_allclose(np.asarray(train_logits(bb.params, adapter)), ours, atol=1e-5, rtol=0)
+    trained = np.asarray(train_logits(bb.params, adapter))
+    np.testing.assert_allclose(trained, peft_logits, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(trained, ours, atol=1e-4, rtol=0)
+    # and it really is the unmerged path: the kernels are the base's, the adapter sits beside them
+    applied = lora.flatten(lora.apply(bb.params, adapter, scale))
+    p0 = next(iter(adapter))
+    assert applied[p0] is lora.flatten(bb.params)[p0]
+    np.testing.assert_array_equal(
+        np.asarray(applied[p0.replace("kernel", "lora_b")]), scale * np.asarray(adapter[p0]["b"])
+    )
 
 
 def test_bfloat16_base_merges_in_fp32_then_casts(pair, adapter):

@@ -38,10 +38,20 @@ def config_from_hf(d: dict):
 
 
 @functools.cache
-def graph(cfg, dtype: str = "float32"):
-    """(graphdef, abstract params) for a config, without allocating any weights."""
-    model = nnx.eval_shape(lambda: cfg.model(dtype=jnp.dtype(dtype)))
-    graphdef, state = nnx.split(model)
+def graph(cfg, dtype: str = "float32", lora: tuple[tuple[str, int], ...] = ()):
+    """(graphdef, abstract params) for a config, without allocating any weights. `lora`: (dotted
+    module path, rank) of the linear layers that carry adapter slots (`layers.Dense.add_lora`)."""
+
+    def build():
+        model = cfg.model(dtype=jnp.dtype(dtype))
+        for path, rank in lora:
+            module = model
+            for part in path.split("."):
+                module = module[int(part)] if part.isdigit() else getattr(module, part)
+            module.add_lora(rank)
+        return model
+
+    graphdef, state = nnx.split(nnx.eval_shape(build))
     return graphdef, state.to_pure_dict()
 
 
@@ -49,8 +59,24 @@ def params_dtype(params) -> str:
     return str(params["embed_tokens"]["embedding"].dtype)
 
 
+def lora_slots(params) -> tuple[tuple[str, int], ...]:
+    """(module path, rank) of every linear layer in `params` that carries adapter weights."""
+    out = []
+
+    def walk(node, prefix):
+        if not isinstance(node, dict):
+            return
+        if "lora_a" in node:
+            out.append((".".join(prefix), int(node["lora_a"].shape[1])))
+        for k, v in node.items():
+            walk(v, prefix + [str(k)])
+
+    walk(params, [])
+    return tuple(sorted(out))
+
+
 def bind(params, cfg):
-    graphdef, _ = graph(cfg, params_dtype(params))
+    graphdef, _ = graph(cfg, params_dtype(params), lora_slots(params))
     return nnx.merge(graphdef, params)
 
 

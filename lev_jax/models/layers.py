@@ -10,6 +10,7 @@ With bf16 weights the matmuls run at the bf16 rate (AMX / tensor cores), the res
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -23,18 +24,137 @@ from lev_jax.models.context import CacheWrite, Context
 _MASKED = -1e30
 
 
-def dense(in_features: int, out_features: int, *, bias: bool = False, dtype, rngs: nnx.Rngs) -> nnx.Linear:
-    """A linear layer with `dtype` weights whose matmul casts its input to `dtype` and returns fp32.
-    (XLA:CPU runs bf16 x bf16 -> fp32 on AMX at ~5x the fp32 rate; bf16 -> bf16 is no faster than fp32.)"""
-    return nnx.Linear(
-        in_features,
-        out_features,
-        use_bias=bias,
-        dtype=dtype,
-        param_dtype=dtype,
-        preferred_element_type=jnp.float32,
-        rngs=rngs,
+@jax.custom_vjp
+def matmul(x, w):
+    """x [..., I] @ w [I, O] -> fp32 [..., O]: `x` cast to w's dtype, products accumulated in fp32
+    (XLA:CPU runs bf16 x bf16 -> fp32 at about twice the fp32 rate; bf16 -> bf16 is no faster).
+
+    The backward keeps the weights' dtype too: the incoming fp32 cotangent is cast to w's dtype
+    and both products (dx and dw) accumulate in fp32 - mixed-precision training as every framework
+    does it. Plain autodiff would meet an fp32 cotangent and a bf16 weight, upcast the weight, and
+    run the whole backward at the fp32 rate. dx is returned in x's own dtype (no bf16 rounding of
+    the residual stream's gradient). With fp32 weights this is exactly the plain derivative."""
+    return _matmul(x, w)
+
+
+def _matmul(x, w):
+    return jax.lax.dot_general(
+        x.astype(w.dtype), w, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32
     )
+
+
+def _matmul_fwd(x, w):
+    return _matmul(x, w), (x, w)
+
+
+def _matmul_bwd(res, ct):
+    x, w = res
+    ct = ct.astype(w.dtype)
+    dx = jax.lax.dot_general(ct, w, (((ct.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    batch = tuple(range(x.ndim - 1))
+    dw = jax.lax.dot_general(x.astype(w.dtype), ct, ((batch, batch), ((), ())), preferred_element_type=jnp.float32)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def einsum(spec: str, a, b):
+    """`jnp.einsum(spec, a, b)` accumulated and returned in fp32, with the backward in the inputs'
+    dtype (as `matmul`): the fp32 cotangent is cast to the inputs' dtype and both gradients are
+    einsums of the same kind. For matmul-like specs only (every index in exactly two of the three
+    terms, e.g. "brd,bdt->brt"), whose gradients are the specs with the terms swapped."""
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def _einsum_fwd(spec, a, b):
+    return einsum(spec, a, b), (a, b)
+
+
+def _einsum_bwd(spec, res, ct):
+    a, b = res
+    (x, y), z = spec.split("->")[0].split(","), spec.split("->")[1]
+    da = jnp.einsum(f"{z},{y}->{x}", ct.astype(b.dtype), b, preferred_element_type=jnp.float32)
+    db = jnp.einsum(f"{x},{z}->{y}", a, ct.astype(a.dtype), preferred_element_type=jnp.float32)
+    return da.astype(a.dtype), db.astype(b.dtype)
+
+
+einsum.defvjp(_einsum_fwd, _einsum_bwd)
+
+
+def _dot(x, y, contract):
+    return jax.lax.dot_general(x, y, (contract, ((), ())), preferred_element_type=jnp.float32)
+
+
+@jax.custom_vjp
+def lora_matmul(x, w, a, b):
+    """x W + (x a) b -> fp32, as `matmul` (inputs cast to W's dtype, fp32 accumulation, the backward
+    in W's dtype). One product [x | x a] @ [W ; b] instead of adding a rank-r product to the output
+    (a full-size fp32 add per layer); the backward forms dx, da, db and never dW."""
+    return _lora_fwd(x, w, a, b)[0]
+
+
+def _lora_fwd(x, w, a, b):
+    dt = w.dtype
+    xc = x.astype(dt)
+    h = _dot(xc, a.astype(dt), ((x.ndim - 1,), (0,))).astype(dt)
+    wb = jnp.concatenate([w, b.astype(dt)], axis=0)
+    y = _dot(jnp.concatenate([xc, h], axis=-1), wb, ((x.ndim - 1,), (0,)))
+    return y, (xc, h, wb, a, b, jnp.zeros((), x.dtype))  # (a dtype is no residual: a 0-d array)
+
+
+def _lora_bwd(res, ct):
+    xc, h, wb, a, b, x_like = res
+    dt, n_in = wb.dtype, xc.shape[-1]
+    ct = ct.astype(dt)
+    last, batch = ct.ndim - 1, tuple(range(ct.ndim - 1))
+    g = _dot(ct, wb, ((last,), (1,)))  # [..., in + r]: dx through W and d(x a) at once
+    dh = g[..., n_in:].astype(dt)
+    dx = g[..., :n_in] + _dot(dh, a.astype(dt), ((last,), (1,)))
+    da = _dot(xc, dh, (batch, batch))
+    db = _dot(h, ct, (batch, batch))
+    dw = _dot(xc, ct, (batch, batch))  # only for a trainable W; XLA drops it when W is frozen
+    return dx.astype(x_like.dtype), dw.astype(dt), da.astype(a.dtype), db.astype(b.dtype)
+
+
+lora_matmul.defvjp(_lora_fwd, _lora_bwd)
+
+
+class Dense(nnx.Module):
+    """A linear layer: `kernel` [in, out] (and `bias`) in the weights' dtype, applied with `matmul`
+    (fp32 out). Optionally a low-rank adapter beside the kernel, applied to the activations as
+    x W + (x A) B (`lora_a` [in, r], `lora_b` [r, out], scale folded into B; fp32 masters cast to the
+    kernel's dtype): a training step then never forms or differentiates W + A B, so the frozen
+    kernel costs the backward one product (dx) instead of two (dx and dW). Serving merges instead.
+    The adapter slots are None unless a graph is built with them (`models.graph(..., lora=...)`)."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = False, dtype, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal()
+        self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), dtype))
+        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
+        self.lora_a = nnx.data(None)  # data slots (not static): add_lora fills them with Params
+        self.lora_b = nnx.data(None)
+
+    def add_lora(self, rank: int) -> None:
+        """Give this layer adapter slots of `rank` (fp32; their values come with the parameters)."""
+        n_in, n_out = self.kernel.shape
+        self.lora_a = nnx.Param(jnp.zeros((n_in, rank), jnp.float32))
+        self.lora_b = nnx.Param(jnp.zeros((rank, n_out), jnp.float32))
+
+    def __call__(self, x):
+        w = self.kernel[...]
+        if self.lora_a is None:
+            y = matmul(x, w)
+        else:
+            y = lora_matmul(x, w, self.lora_a[...], self.lora_b[...])
+        if self.bias is not None:
+            y = y + self.bias[...].astype(y.dtype)
+        return y
+
+
+def dense(in_features: int, out_features: int, *, bias: bool = False, dtype, rngs: nnx.Rngs) -> Dense:
+    return Dense(in_features, out_features, bias=bias, dtype=dtype, rngs=rngs)
 
 
 class RMSNorm(nnx.Module):
@@ -181,24 +301,24 @@ def attend(
     outs = []
     for h in range(K):
         q_BRD = q_BKRD[:, h]
-        s_n = jnp.einsum("brd,bdt->brt", q_BRD, k_BKDT[:, h], preferred_element_type=f32) + bias_new_BRT
+        s_n = einsum("brd,bdt->brt", q_BRD, k_BKDT[:, h]) + bias_new_BRT
         m_n = s_n.max(axis=-1, keepdims=True)
         if anchored:  # (a padding row that sees none of its own tokens anchors at 0: finite, unread)
             m_n = jnp.where(m_n > _MASKED / 2, m_n, 0.0) + ANCHOR_OFFSET
         p_n, d_n = weights(s_n, m_n)
-        parts = [(m_n, d_n, jnp.einsum("brt,btd->brd", p_n, v_BKTD[:, h], preferred_element_type=f32))]
+        parts = [(m_n, d_n, einsum("brt,btd->brd", p_n, v_BKTD[:, h]))]
         for ck, cv, bias, one_row in blocks:
             if one_row:  # [B*R, D] x [D, S], kept 2-D through the value product
-                s_c = jnp.dot(q_BRD.reshape(B * R, D), ck[0, h], preferred_element_type=f32) + bias
+                s_c = einsum("rd,ds->rs", q_BRD.reshape(B * R, D), ck[0, h]) + bias
                 m_c = m_n.reshape(B * R, 1) if anchored else s_c.max(axis=-1, keepdims=True)
                 p_c, d_c = weights(s_c, m_c)
-                o_c = jnp.dot(p_c, cv[0, h], preferred_element_type=f32).reshape(B, R, D)
+                o_c = einsum("rs,sd->rd", p_c, cv[0, h]).reshape(B, R, D)
                 parts.append((m_c.reshape(B, R, 1), d_c.reshape(B, R, 1), o_c))
             else:
-                s_c = jnp.einsum("brd,bds->brs", q_BRD, ck[:, h], preferred_element_type=f32) + bias
+                s_c = einsum("brd,bds->brs", q_BRD, ck[:, h]) + bias
                 m_c = m_n if anchored else s_c.max(axis=-1, keepdims=True)
                 p_c, d_c = weights(s_c, m_c)
-                parts.append((m_c, d_c, jnp.einsum("brs,bsd->brd", p_c, cv[:, h], preferred_element_type=f32)))
+                parts.append((m_c, d_c, einsum("brs,bsd->brd", p_c, cv[:, h])))
         if anchored:  # one stabiliser for every block: plain sums
             outs.append(sum(o for _, _, o in parts) / sum(d for _, d, _ in parts))
             continue

@@ -4,7 +4,7 @@ The trainer state is a pytree {"trainable", "opt_state", "train": {"step", "rng"
 LoRA adapter (fp32 master; the frozen base stays in the compute dtype and never enters the optimiser)
 or, for a full fine-tune, an fp32 master copy of every parameter. One step:
 
-    params  = base with the adapter merged (lora.apply, fp32 sum -> compute dtype)   [inside jit]
+    params  = base with the adapter beside its kernels (lora.apply: x W + (x a) b)   [inside jit]
     logits  = readout.prefixed_label_logits(params, prefixes, rows, ...)             [E prefixes once]
     loss    = CE + 0.5 Brier + 0.25 ordinal                                          [loss.py, fp32]
     update  = AdamW(warmup + cosine) after clipping the global gradient norm to 1.0

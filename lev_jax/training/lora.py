@@ -7,10 +7,10 @@ state), and it checkpoints and shards like any pytree.
 
 * ``init``: ``a`` uniform(+-1/sqrt(in)) (as peft's kaiming init), ``b`` zero, so a fresh adapter is
   the identity and training starts at the base model exactly.
-* ``apply``: inside jit, every targeted kernel becomes ``W + scale * a @ b`` with ``scale = alpha / r``,
-  computed in fp32 (the master adapter is fp32) and cast to the kernel's dtype (the compute dtype).
-* ``merge``: the same sum outside training, giving plain weights a serving engine loads like any
-  checkpoint.
+* ``apply``: inside jit, the adapter goes beside every targeted kernel and is applied to the
+  activations, x W + scale (x a) b with ``scale = alpha / r`` (fp32 masters cast to the compute dtype).
+* ``merge``: ``W + scale * a @ b`` summed in fp32 and cast to the kernel's dtype, giving plain weights a
+  serving engine loads like any checkpoint.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def _set(tree, path: str, value):
 
     def go(node, i):
         k = keys[i]
-        key = k if k in node else int(k)
+        key = int(k) if k not in node and k.isdigit() else k
         new = dict(node)
         new[key] = value if i == len(keys) - 1 else go(node[key], i + 1)
         return new
@@ -138,8 +138,23 @@ def _get(tree, path: str):
 
 
 def apply(params, adapter: Mapping, scale: float):
+    """`params` with the adapter beside every adapted kernel, for training: the linear layer at
+    ``X.kernel`` gets ``X.lora_a = a`` and ``X.lora_b = scale * b`` (fp32), and computes
+    x W + (x a)(scale b) (`models.layers.Dense`). The kernel itself is untouched, so the backward
+    never forms a gradient for it: per adapted kernel one product (dx) instead of two. Pure and
+    differentiable in `adapter`; call it inside the jitted step. Same function as `merge` up to
+    rounding (the sum happens on the activations instead of in the weights)."""
+    out = params
+    for path, ab in adapter.items():
+        module = path.removesuffix(SEP + "kernel")
+        out = _set(out, module + SEP + "lora_a", ab["a"].astype(jnp.float32))
+        out = _set(out, module + SEP + "lora_b", scale * ab["b"].astype(jnp.float32))
+    return out
+
+
+def merged(params, adapter: Mapping, scale: float):
     """`params` with every adapted kernel replaced by (W + scale * a @ b), summed in fp32 and cast
-    to W's dtype. Pure and differentiable in `adapter`; call it inside the jitted step."""
+    to W's dtype."""
     out = params
     for path, ab in adapter.items():
         w = _get(params, path)
@@ -149,8 +164,8 @@ def apply(params, adapter: Mapping, scale: float):
 
 def merge(params, adapter: Mapping, scale: float):
     """Plain weights with the adapter folded in (fp32 sum, then the base dtype): what a run
-    directory serves. Same arithmetic as `apply`, jitted once over the whole tree."""
-    return jax.jit(apply)(params, adapter, scale) if adapter else params
+    directory serves, jitted once over the whole tree."""
+    return jax.jit(merged)(params, adapter, scale) if adapter else params
 
 
 def n_params(tree) -> int:

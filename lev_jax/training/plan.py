@@ -4,10 +4,11 @@
             instructions and options, plus the prompt template and label codes per row, times the rows
             an example trains: two presentation orders with option averaging); without a build, a
             nominal 300 tokens per row;
-* FLOPs   - the model's forward matmul FLOPs per token (its config's `flops_per_token`) times 3 for
-            a LoRA step (forward, input gradients, the merged weights' gradient) or a full fine-tune,
-            plus one forward more under remat "full" (the recomputation); with `lora_layers` the
-            layers below the adapted ones run forward only;
+* FLOPs   - the model's forward matmul FLOPs per token (its config's `flops_per_token`) times 2 for
+            a LoRA step (forward and input gradients: the adapter sits beside the frozen kernels, which
+            get no gradient) or 3 for a full fine-tune (the weights' gradients too), plus one forward
+            more under remat "full" (the recomputation); with `lora_layers` the layers below the
+            adapted ones run forward only;
 * hours   - FLOPs / (peak x an assumed utilisation) of the accelerator;
 * memory  - per device: the frozen weights (compute dtype) and the trainable tree, its gradient and
             Adam's two moments (fp32), sharded over fsdp x tensor, plus activations for this device's
@@ -228,7 +229,8 @@ def estimate(cfg: TrainConfig, *, data_dir: Path | None = None, devices: int | N
     L = mcfg.num_hidden_layers
     # layers under `lora_layers` run forward only: no gradient flows below the lowest adapted layer
     trained = min(cfg.lora_layers, L) / L if (cfg.lora_layers and not cfg.full_finetune) else 1.0
-    passes = 1 + (2 + (1 if cfg.remat == "full" else 0)) * trained
+    backward = 2 if cfg.full_finetune else 1  # input gradients (+ weight gradients when they train)
+    passes = 1 + (backward + (1 if cfg.remat == "full" else 0)) * trained
     flops = passes * mcfg.flops_per_token(context) * tokens
     hours = flops / (acc.peak * acc.utilisation * devices) / 3600
     dtype_bytes = 2 if cfg.dtype == "bfloat16" else 4

@@ -44,16 +44,18 @@ def _matmul(x, w):
 
 
 def _matmul_fwd(x, w):
-    return _matmul(x, w), (x, w)
+    # the residual is x in w's dtype (what the product read: half the memory of an fp32 activation)
+    # and a 0-d array of x's own dtype (a dtype is no residual)
+    return _matmul(x, w), (x.astype(w.dtype), w, jnp.zeros((), x.dtype))
 
 
 def _matmul_bwd(res, ct):
-    x, w = res
+    xc, w, x_like = res
     ct = ct.astype(w.dtype)
     dx = jax.lax.dot_general(ct, w, (((ct.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    batch = tuple(range(x.ndim - 1))
-    dw = jax.lax.dot_general(x.astype(w.dtype), ct, ((batch, batch), ((), ())), preferred_element_type=jnp.float32)
-    return dx.astype(x.dtype), dw.astype(w.dtype)
+    batch = tuple(range(xc.ndim - 1))
+    dw = jax.lax.dot_general(xc, ct, ((batch, batch), ((), ())), preferred_element_type=jnp.float32)
+    return dx.astype(x_like.dtype), dw.astype(w.dtype)
 
 
 matmul.defvjp(_matmul_fwd, _matmul_bwd)
@@ -99,17 +101,22 @@ def _lora_fwd(x, w, a, b):
     dt = w.dtype
     xc = x.astype(dt)
     h = _dot(xc, a.astype(dt), ((x.ndim - 1,), (0,))).astype(dt)
-    wb = jnp.concatenate([w, b.astype(dt)], axis=0)
-    y = _dot(jnp.concatenate([xc, h], axis=-1), wb, ((x.ndim - 1,), (0,)))
-    return y, (xc, h, wb, a, b, jnp.zeros((), x.dtype))  # (a dtype is no residual: a 0-d array)
+    y = _dot(jnp.concatenate([xc, h], axis=-1), _stacked(w, b), ((x.ndim - 1,), (0,)))
+    # residuals: what the products read, not the stacked [W ; b] (a copy of W per layer: for a 4B
+    # model ~10 GB held until the backward); x's dtype as a 0-d array (a dtype is no residual)
+    return y, (xc, h, w, a, b, jnp.zeros((), x.dtype))
+
+
+def _stacked(w, b):
+    return jnp.concatenate([w, b.astype(w.dtype)], axis=0)
 
 
 def _lora_bwd(res, ct):
-    xc, h, wb, a, b, x_like = res
-    dt, n_in = wb.dtype, xc.shape[-1]
+    xc, h, w, a, b, x_like = res
+    dt, n_in = w.dtype, xc.shape[-1]
     ct = ct.astype(dt)
     last, batch = ct.ndim - 1, tuple(range(ct.ndim - 1))
-    g = _dot(ct, wb, ((last,), (1,)))  # [..., in + r]: dx through W and d(x a) at once
+    g = _dot(ct, _stacked(w, b), ((last,), (1,)))  # [..., in + r]: dx through W and d(x a) at once
     dh = g[..., n_in:].astype(dt)
     dx = g[..., :n_in] + _dot(dh, a.astype(dt), ((last,), (1,)))
     da = _dot(xc, dh, (batch, batch))

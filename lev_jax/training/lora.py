@@ -143,9 +143,14 @@ def apply(params, adapter: Mapping, scale: float):
     x W + (x a)(scale b) (`models.layers.Dense`). The kernel itself is untouched, so the backward
     never forms a gradient for it: per adapted kernel one product (dx) instead of two. Pure and
     differentiable in `adapter`; call it inside the jitted step. Same function as `merge` up to
-    rounding (the sum happens on the activations instead of in the weights)."""
+    rounding (the sum happens on the activations instead of in the weights). A kernel outside the
+    decoder layers (a pattern target such as ``lm_head.kernel``, which the head reads directly
+    rather than through its layer) is merged instead."""
     out = params
     for path, ab in adapter.items():
+        if layer_of(path) is None:
+            out = _set(out, path, _merged_kernel(_get(params, path), ab, scale))
+            continue
         module = path.removesuffix(SEP + "kernel")
         out = _set(out, module + SEP + "lora_a", ab["a"].astype(jnp.float32))
         out = _set(out, module + SEP + "lora_b", scale * ab["b"].astype(jnp.float32))
@@ -157,9 +162,12 @@ def merged(params, adapter: Mapping, scale: float):
     to W's dtype."""
     out = params
     for path, ab in adapter.items():
-        w = _get(params, path)
-        out = _set(out, path, (w.astype(jnp.float32) + delta(ab, scale)).astype(w.dtype))
+        out = _set(out, path, _merged_kernel(_get(params, path), ab, scale))
     return out
+
+
+def _merged_kernel(w, ab: Mapping, scale: float):
+    return (w.astype(jnp.float32) + delta(ab, scale)).astype(w.dtype)
 
 
 def merge(params, adapter: Mapping, scale: float):

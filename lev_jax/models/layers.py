@@ -24,6 +24,10 @@ from lev_jax.models.context import CacheWrite, Context
 _MASKED = -1e30
 
 
+def _dot(x, y, contract):
+    return jax.lax.dot_general(x, y, (contract, ((), ())), preferred_element_type=jnp.float32)
+
+
 @jax.custom_vjp
 def matmul(x, w):
     """x [..., I] @ w [I, O] -> fp32 [..., O]: `x` cast to w's dtype, products accumulated in fp32
@@ -38,9 +42,7 @@ def matmul(x, w):
 
 
 def _matmul(x, w):
-    return jax.lax.dot_general(
-        x.astype(w.dtype), w, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-    )
+    return _dot(x.astype(w.dtype), w, ((x.ndim - 1,), (0,)))
 
 
 def _matmul_fwd(x, w):
@@ -52,9 +54,9 @@ def _matmul_fwd(x, w):
 def _matmul_bwd(res, ct):
     xc, w, x_like = res
     ct = ct.astype(w.dtype)
-    dx = jax.lax.dot_general(ct, w, (((ct.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    dx = _dot(ct, w, ((ct.ndim - 1,), (1,)))
     batch = tuple(range(xc.ndim - 1))
-    dw = jax.lax.dot_general(xc, ct, ((batch, batch), ((), ())), preferred_element_type=jnp.float32)
+    dw = _dot(xc, ct, (batch, batch))
     return dx.astype(x_like.dtype), dw.astype(w.dtype)
 
 
@@ -83,10 +85,6 @@ def _einsum_bwd(spec, res, ct):
 
 
 einsum.defvjp(_einsum_fwd, _einsum_bwd)
-
-
-def _dot(x, y, contract):
-    return jax.lax.dot_general(x, y, (contract, ((), ())), preferred_element_type=jnp.float32)
 
 
 @jax.custom_vjp

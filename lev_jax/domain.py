@@ -29,6 +29,7 @@ RATING_CODES = tuple(str(i) for i in range(RATING_LEVELS))  # "0" (certainly no)
 RATING_NO, RATING_YES = 0, RATING_LEVELS - 1  # the ratings a labelled no / yes trains towards
 RATING_WEIGHTS = np.arange(RATING_LEVELS, dtype=np.float64) / (RATING_LEVELS - 1)  # rating -> P(yes) weight
 RATING_WEIGHTS.setflags(write=False)
+MAX_ORDERED_LEVELS = max(SCORE_LEVELS[1], RATING_LEVELS)  # the most levels an ordered readout has
 
 # -- option-count bands (calibration buckets, mixture coverage) ------------------------------------
 BANDS = ("small", "mid", "large")

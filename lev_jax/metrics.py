@@ -57,6 +57,7 @@ __all__ = [
     "macro_accuracy",
     "reliability_bins",
     "ece",
+    "ece_floor",
     "brier",
     "nll",
     "nll_terms",
@@ -240,6 +241,30 @@ def ece(probs: ProbRows, gold, n_bins: int = 10) -> float:
     bins = reliability_bins(probs, gold, n_bins)
     total = sum(b["count"] for b in bins)
     return float(sum(b["count"] / total * abs(b["accuracy"] - b["confidence"]) for b in bins if b["count"]))
+
+
+def ece_floor(probs: ProbRows, n_bins: int = 10, draws: int = 2000, seed: int = 0) -> dict[str, float]:
+    """The ECE a *perfectly calibrated* model with these confidences would show on this many rows.
+
+    ECE is biased upward on a finite sample: even when every row's top answer is right with
+    probability exactly its confidence, each bin's accuracy scatters around its mean confidence by
+    about ``sqrt(c (1 - c) / count)``. With mid-range confidences that floor is ~0.05 on 250 rows,
+    so an ECE bar near it cannot be judged on such a sample. Each draw keeps the rows' confidences
+    and draws "correct" as Bernoulli(confidence); returns the ``mean`` and the ``p95`` of the
+    draws' ECE (the level a calibrated model exceeds one time in twenty). Gold is not needed.
+    """
+    mat, _ = _as_matrix(probs)
+    conf = mat.max(axis=1)
+    idx = _bin_index(conf, n_bins)
+    counts = np.bincount(idx, minlength=n_bins).astype(np.float64)
+    mean_conf = np.bincount(idx, weights=conf, minlength=n_bins) / np.maximum(counts, 1.0)
+    rng = np.random.default_rng(seed)
+    # one draw per row: (draws, n) Bernoulli outcomes, summed per bin
+    hits = rng.random((draws, conf.size)) < conf
+    per_bin = np.stack([hits[:, idx == b].sum(axis=1) for b in range(n_bins)], axis=1)
+    gaps = np.abs(per_bin - counts * mean_conf) / conf.size  # count_b/N * |acc_b - conf_b|
+    e = gaps.sum(axis=1)
+    return {"mean": float(e.mean()), "p95": float(np.percentile(e, 95)), "draws": draws}
 
 
 def brier(probs: ProbRows, gold) -> float:

@@ -70,6 +70,25 @@ def test_ece_all_rows_in_one_bin():
     assert M.ece([[1.0, 0.0]], [0]) == 0.0
 
 
+def test_ece_floor_matches_the_binomial_expectation():
+    # 40 rows at confidence 0.5, one bin: a calibrated model's ECE is |k/40 - 0.5|, k ~ Bin(40, 0.5)
+    n = 40
+    exact = sum(math.comb(n, k) / 2**n * abs(k / n - 0.5) for k in range(n + 1))
+    fl = M.ece_floor([[0.5, 0.5]] * n, draws=4000)
+    assert fl["mean"] == pytest.approx(exact, abs=0.004)  # Monte-Carlo error ~0.001
+    assert fl["p95"] > fl["mean"]
+    # certain rows: a calibrated model is always right, the floor is 0
+    assert M.ece_floor([[1.0, 0.0]] * 10) == {"mean": 0.0, "p95": 0.0, "draws": 2000}
+    # seeded: the same call gives the same answer
+    assert M.ece_floor(ROWS) == M.ece_floor(ROWS)
+
+
+def test_ece_floor_shrinks_as_one_over_root_n():
+    rows = [[0.6, 0.4], [0.8, 0.2], [0.95, 0.05], [0.35, 0.35, 0.3]] * 50
+    small, large = M.ece_floor(rows)["mean"], M.ece_floor(rows * 4)["mean"]
+    assert 0.4 < large / small < 0.6
+
+
 def test_noul_scored_as_two_class_distribution():
     rows, gold = M.binary_rows([0.8, 0.3], [True, True])
     np.testing.assert_allclose(rows, [[0.8, 0.2], [0.3, 0.7]])

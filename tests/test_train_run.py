@@ -1,6 +1,7 @@
 """`python -m train --preset tiny` in real processes: it trains (loss falls), serves through the engine,
 resumes exactly after kill -9 (adapter, optimiser moments and next batch bit-identical), skips a
-corrupt checkpoint by name, reruns resume, and --fresh moves the old run aside."""
+corrupt checkpoint by name, reruns resume, and --fresh moves the old run aside; the rlcd loss from the
+start and as a stage, resumed exactly."""
 
 import json
 import os
@@ -120,6 +121,51 @@ def test_the_trained_run_answers_through_the_engine(trained):
         np.testing.assert_allclose(logits[r, : len(row.label_ids)], want, atol=1e-4, rtol=0)
 
 
+def _same_checkpoint(a: Path, b: Path):
+    import jax
+
+    for item in ("trainable", "opt_state", "train"):  # adapter, optimiser moments and count, step and RNG
+        ta, tb = _restore(a, item), _restore(b, item)
+        for (pa, xa), (pb, xb) in zip(
+            jax.tree_util.tree_flatten_with_path(ta)[0], jax.tree_util.tree_flatten_with_path(tb)[0]
+        ):
+            assert pa == pb
+            assert np.array_equal(np.asarray(xa), np.asarray(xb)), f"{item} {jax.tree_util.keystr(pa)} differs"
+
+
+def test_rlcd_from_the_start_as_a_stage_and_resumed_exactly(trained, tmp_path):
+    run, _ = trained
+    # from the start: the progress line carries the policy term; the config records the loss
+    straight = tmp_path / "straight"
+    p = train(straight, "--loss", "rlcd", "--steps", "4", "--checkpoint-every", "2", *FAST)
+    assert "rlcd policy" in p.stdout and "step 4/4" in p.stdout
+    assert json.loads((straight / "config.json").read_text())["loss"] == "rlcd"
+    assert all("rlcd_policy" in e for e in _progress(straight))
+    # resumed from its step-2 checkpoint in another process: bit-identical at step 4 (the noise comes
+    # from the checkpointed RNG key)
+    split = tmp_path / "split"
+    again = train(
+        split,
+        "--resume",
+        str(straight / "checkpoints" / "2"),
+        "--loss",
+        "rlcd",
+        "--steps",
+        "4",
+        "--checkpoint-every",
+        "2",
+        *FAST,
+    )
+    assert "resumed from" in again.stdout and "at step 2" in again.stdout and "stage" not in again.stdout
+    _same_checkpoint(straight / "checkpoints" / "4", split / "checkpoints" / "4")
+    # a stage: the plain run's checkpoint continued with rlcd in another run directory
+    stage = tmp_path / "stage"
+    p = train(stage, "--resume", str(run / "checkpoints" / "16"), "--loss", "rlcd", "--steps", "18", *FAST)
+    assert "stage: loss plain -> rlcd from step 16" in p.stdout and "step 18/18" in p.stdout
+    events = json.loads((stage / "history.json").read_text())["events"]
+    assert {"event": "stage", "step": 16, "loss": "rlcd", "from": "plain"} in events
+
+
 def test_rerun_resumes_and_fresh_moves_the_run_aside(trained, tmp_path):
     run, _ = trained
     again = train(run, "--set", "calibrate=false")
@@ -158,15 +204,7 @@ def test_exact_resume_after_kill_9(tmp_path):
     resumed = train(killed, *args)
     assert "resumed from" in resumed.stdout and "at step 4" in resumed.stdout
     a, b = straight / "checkpoints" / "8", killed / "checkpoints" / "8"
-    for item in ("trainable", "opt_state", "train"):  # adapter, optimiser moments and count, step and RNG
-        ta, tb = _restore(a, item), _restore(b, item)
-        import jax
-
-        for (pa, xa), (pb, xb) in zip(
-            jax.tree_util.tree_flatten_with_path(ta)[0], jax.tree_util.tree_flatten_with_path(tb)[0]
-        ):
-            assert pa == pb
-            assert np.array_equal(np.asarray(xa), np.asarray(xb)), f"{item} {jax.tree_util.keystr(pa)} differs"
+    _same_checkpoint(a, b)
     # the next batch: the grain iterator states are the same, and so is the batch they read next
     state_a = json.loads((a / "data" / "process_0-of-1.json").read_text())
     state_b = json.loads((b / "data" / "process_0-of-1.json").read_text())

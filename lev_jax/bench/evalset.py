@@ -199,10 +199,12 @@ def answer_row(q: Mapping[str, Any], answer: Mapping[str, Any]) -> list[float]:
 def task_metrics(
     rows: Sequence[Sequence[float]], gold: Sequence[int], families: Sequence[str] | None = None, n_bins: int = 10
 ) -> dict[str, Any]:
-    """The per-task metric bundle: :func:`lev_jax.metrics.summarize` plus RStd."""
+    """The per-task metric bundle: :func:`lev_jax.metrics.summarize` plus RStd and the sample's ECE
+    floor (:func:`lev_jax.metrics.ece_floor`: what a calibrated model would show on this many rows)."""
     out = metrics.summarize(
         rows, gold, families if families is not None and len(set(families)) > 1 else None, n_bins=n_bins
     )
     out["rstd"] = metrics.position_bias_rstd(rows, gold)
     out["per_position_recall"] = {str(k): v for k, v in metrics.per_position_recall(rows, gold).items()}
+    out["ece_floor"] = metrics.ece_floor(rows, n_bins)
     return out

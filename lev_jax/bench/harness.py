@@ -277,6 +277,14 @@ def task_markdown(res: Mapping[str, Any], client_info: Mapping[str, Any] | None 
             f"| {'calibrated' if u else 'as served'} | {_f(m['accuracy'])} | {_f(m['ece'])} "
             f"| {_f(m['brier'])} | {_f(m['nll'])} | {_f(m['rstd'])} |"
         )
+    floor = m.get("ece_floor")
+    if floor:
+        lines += [
+            "",
+            f"ECE floor of this sample: a perfectly calibrated model with these (calibrated) confidences "
+            f"would show ECE {floor['mean']:.3f} on {m['n']} rows on average, above {floor['p95']:.3f} one "
+            f"time in twenty ({floor['draws']} draws of the outcomes); ECE differences below that are noise.",
+        ]
     bs = res.get("ece_delta_bootstrap")
     if bs:
         lines += [
@@ -315,6 +323,10 @@ def task_markdown(res: Mapping[str, Any], client_info: Mapping[str, Any] | None 
     return "\n".join(lines) + "\n"
 
 
+def _floor(fl) -> str:
+    return "-" if not fl else f"{fl['mean']:.3f} ({fl['p95']:.3f})"
+
+
 def summary_markdown(results: Sequence[Mapping[str, Any]], client_info: Mapping[str, Any] | None = None) -> str:
     lines = ["# levbench eval", ""]
     if client_info:
@@ -323,8 +335,8 @@ def summary_markdown(results: Sequence[Mapping[str, Any]], client_info: Mapping[
         )
         lines.append("")
     lines += [
-        "| task | items | accuracy | ECE uncal. | ECE | Brier | NLL | RStd | latency p50 (s) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| task | items | accuracy | ECE uncal. | ECE | ECE floor (p95) | Brier | NLL | RStd | latency p50 (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         m = r.get("metrics") or {}
@@ -332,8 +344,8 @@ def summary_markdown(results: Sequence[Mapping[str, Any]], client_info: Mapping[
         lat = r.get("latency_s") or {}
         lines.append(
             f"| {r['task']} | {r['n_items']} | {_f(m.get('accuracy'))} | {_f(u.get('ece'))} "
-            f"| {_f(m.get('ece'))} | {_f(m.get('brier'))} | {_f(m.get('nll'))} | {_f(m.get('rstd'))} "
-            f"| {_f(lat.get('p50'))} |"
+            f"| {_f(m.get('ece'))} | {_floor(m.get('ece_floor'))} | {_f(m.get('brier'))} | {_f(m.get('nll'))} "
+            f"| {_f(m.get('rstd'))} | {_f(lat.get('p50'))} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -1,7 +1,8 @@
 """`python -m train`: fine-tune a backbone into a decision model; `python -m train plan`: size a run first.
 
     python -m train --preset NAME --out RUN_DIR [--steps N] [--checkpoint-every K]
-                    [--mesh data=2,fsdp=2,tensor=2] [--set key=value ...] [--fresh | --resume PATH]
+                    [--mesh data=2,fsdp=2,tensor=2] [--loss plain|rlcd] [--set key=value ...]
+                    [--fresh | --resume PATH]
     python -m train plan --preset NAME [--accelerator h100|v5p|cpu] [--set key=value ...] [--steps N]
 
 Rerunning the same command on an existing RUN_DIR resumes it from its newest checkpoint (to a larger
@@ -37,6 +38,13 @@ RESUMABLE = frozenset(
         "calibration_rows",
         "mesh",
         "accelerator",
+        # a loss stage: the plain loss's run continued with RLCD (history.json records a "stage")
+        "loss",
+        "rlcd_samples",
+        "rlcd_sigma",
+        "rlcd_log_floor",
+        "rlcd_spherical_weight",
+        "rlcd_ce_weight",
     }
 )
 
@@ -140,6 +148,12 @@ def _train_parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int)
     ap.add_argument("--checkpoint-every", type=int)
     ap.add_argument("--mesh", help="device mesh, e.g. data=2,fsdp=2,tensor=2 (default: all devices on data)")
+    ap.add_argument(
+        "--loss",
+        choices=("plain", "rlcd"),
+        help="plain (CE + Brier + ordinal) or rlcd (its policy term + the plain loss); "
+        "on an existing run or with --resume it starts a stage from that checkpoint",
+    )
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--fresh", action="store_true", help="move the old run aside and start from step 0")
@@ -170,6 +184,8 @@ def _overrides(args) -> dict:
         over["mesh"] = args.mesh
     if getattr(args, "accelerator", None) is not None:
         over["accelerator"] = args.accelerator
+    if getattr(args, "loss", None) is not None:
+        over["loss"] = args.loss
     return over
 
 

@@ -21,6 +21,7 @@ TINY_MODEL = "tiny-qwen3_5"  # a tiny random Qwen3.5 (DeltaNet + attention) with
 DATA_RECIPES = ("", "tiny", "offline")  # what to build into RUN_DIR/data when `data` is empty
 DTYPES = ("float32", "bfloat16")
 ACCELERATORS = ("cpu", "h100", "v5p")
+LOSSES = ("plain", "rlcd")  # CE + Brier + ordinal; that plus the RLCD policy term (loss.py)
 
 
 class ConfigError(ValueError):
@@ -67,6 +68,12 @@ class TrainConfig:
     # -- loss ------------------------------------------------------------------------------------
     brier_weight: float = 0.5
     ordinal_weight: float = 0.25
+    loss: str = "plain"  # "rlcd": the RLCD policy term + rlcd_ce_weight x the plain loss (a stage or from 0)
+    rlcd_samples: int = 4  # noise samples per row
+    rlcd_sigma: float = 0.3  # std of the noise on the label logits
+    rlcd_log_floor: float = 1e-4  # the log score's floor
+    rlcd_spherical_weight: float = 0.75
+    rlcd_ce_weight: float = 1.0  # weight of the plain loss beside the policy term
     # -- operation -------------------------------------------------------------------------------
     log_every: int = 10
     checkpoint_every: int = 200
@@ -80,6 +87,21 @@ class TrainConfig:
     @property
     def full_finetune(self) -> bool:
         return self.lora_rank == 0
+
+    @property
+    def loss_options(self) -> dict:
+        """The keyword arguments of the configured loss function (loss.loss or loss.rlcd)."""
+        plain = {"brier_weight": self.brier_weight, "ordinal_weight": self.ordinal_weight}
+        if self.loss == "plain":
+            return plain
+        return {
+            **plain,
+            "samples": self.rlcd_samples,
+            "sigma": self.rlcd_sigma,
+            "log_floor": self.rlcd_log_floor,
+            "spherical_weight": self.rlcd_spherical_weight,
+            "ce_weight": self.rlcd_ce_weight,
+        }
 
     @property
     def lora_scale(self) -> float:
@@ -119,6 +141,11 @@ class TrainConfig:
             ),
             (self.accelerator in ACCELERATORS, f"accelerator must be one of {', '.join(ACCELERATORS)}"),
             (self.brier_weight >= 0 and self.ordinal_weight >= 0, "loss weights must be >= 0"),
+            (self.loss in LOSSES, f"loss must be one of {', '.join(LOSSES)}"),
+            (self.rlcd_samples >= 2, "rlcd_samples must be >= 2 (the advantage is relative to their mean)"),
+            (self.rlcd_sigma > 0, "rlcd_sigma must be > 0"),
+            (0 < self.rlcd_log_floor < 1, "rlcd_log_floor must be in (0, 1)"),
+            (self.rlcd_spherical_weight >= 0 and self.rlcd_ce_weight >= 0, "rlcd weights must be >= 0"),
         ]
         for ok, msg in checks:
             if not ok:

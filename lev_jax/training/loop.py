@@ -124,20 +124,26 @@ class Trainer:
         """[E*R, C] label logits of a packed batch (groups of rows over computed prefixes)."""
         return group_label_logits(self.params(trainable, frozen), batch, self.model_cfg, remat=self.cfg.remat)
 
-    def loss(self, trainable, frozen, batch):
-        return loss_lib.loss(
-            self.logits(trainable, frozen, batch),
-            batches.flat_rows(batch),
-            brier_weight=self.cfg.brier_weight,
-            ordinal_weight=self.cfg.ordinal_weight,
-        )
+    def loss(self, trainable, frozen, batch, key=None):
+        """(scalar, stats) of the configured loss; `key` draws RLCD's noise (unused by "plain")."""
+        logits, rows = self.logits(trainable, frozen, batch), batches.flat_rows(batch)
+        if self.cfg.loss == "rlcd":
+            if key is None:
+                raise ValueError("the rlcd loss draws noise: pass a PRNG key")
+            return loss_lib.rlcd(logits, rows, key, **self.cfg.loss_options)
+        return loss_lib.loss(logits, rows, **self.cfg.loss_options)
 
     def _step(self, state, frozen, batch):
-        (value, stats), grads = jax.value_and_grad(self.loss, has_aux=True)(state["trainable"], frozen, batch)
+        # the state's key advances every step (one split); the step's noise is the split's other half,
+        # so exact resume reproduces it
+        next_key, noise_key = jax.random.split(jax.random.wrap_key_data(state["train"]["rng"]))
+        (value, stats), grads = jax.value_and_grad(self.loss, has_aux=True)(
+            state["trainable"], frozen, batch, noise_key
+        )
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["trainable"])
         trainable = optax.apply_updates(state["trainable"], updates)
         step = state["train"]["step"]
-        rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state["train"]["rng"]))[0])
+        rng = jax.random.key_data(next_key)
         metrics = {"loss": value, **stats, "grad_norm": optax.global_norm(grads), "lr": self.schedule(step)}
         return {"trainable": trainable, "opt_state": opt_state, "train": {"step": step + 1, "rng": rng}}, metrics
 
@@ -234,6 +240,9 @@ class Window:
         sps, tps = self.steps / dt_, self.tokens / dt_
         eta = (total - step) / sps if sps > 0 else float("nan")
         modes = " ".join(f"{k} {v:.3f}" for k, v in per_mode.items())
+        policy = float(np.mean([x["policy"] for x in m])) if "policy" in m[-1] else None
+        if policy is not None:  # the RLCD loss: its policy term and mean reward beside the plain loss
+            modes += f" | rlcd policy {policy:+.4f} reward {float(np.mean([x['reward'] for x in m])):.3f}"
         text = (
             f"step {step}/{total} {100 * step / total:5.1f}% | loss {mean:.4f} ({modes}) | "
             f"lr {float(m[-1]['lr']):.2e} | {sps:.3f} steps/s | {tps:.0f} tok/s | elapsed {clock(elapsed)} | "
@@ -246,6 +255,7 @@ class Window:
             "loss_by_mode": per_mode,
             "lr": float(m[-1]["lr"]),
             "grad_norm": float(m[-1]["grad_norm"]),
+            **({"rlcd_policy": policy} if policy is not None else {}),
             "steps_per_s": sps,
             "tokens_per_s": tps,
             "elapsed_s": round(elapsed, 2),
@@ -368,6 +378,10 @@ def train(
         tokens_before, elapsed_before = int(meta.get("tokens", 0)), float(meta.get("elapsed_s", 0.0))
         history = [e for e in history if e.get("step", 0) <= start]
         out(f"resumed from {source.path(start)} at step {start}")
+        was = meta.get("config", {}).get("loss", "plain")
+        if was != cfg.loss:  # a stage: e.g. the plain loss's checkpoint continued with rlcd
+            out(f"stage: loss {was} -> {cfg.loss} from step {start}")
+            history.append({"event": "stage", "step": start, "loss": cfg.loss, "from": was})
     start = int(jax.device_get(state["train"]["step"]))
     if start >= cfg.steps:
         out(f"nothing to do: the run is at step {start} of {cfg.steps} (pass a larger --steps to continue)")

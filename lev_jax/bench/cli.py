@@ -1,4 +1,4 @@
-"""``python -m scripts.levbench`` (or ``levbench``): export | eval | fit | sweep.
+"""``python -m scripts.levbench`` (or ``levbench``): export | eval | fit | sweep | compare.
 
     levbench export --out evalsets                       # eval-data exports (test + calibration)
     levbench export --out evalsets --pipeline DATA --split calibration
@@ -6,6 +6,7 @@
     levbench eval evalsets/ --url http://127.0.0.1:8000 --concurrency 8 --out results/
     levbench fit evalsets/banking77-train.json:limit=80 ... --rows-out rows.jsonl   # -> shipped profile
     levbench sweep --out results/sweep [--url URL]
+    levbench compare results/plain results/rlcd --out results/plain-vs-rlcd   # paired bootstrap B - A
 
 A set argument is ``PATH[:limit=N][:max_options=K][:split=NAME]``; a directory means every
 eval-set file in it. Samples are fixed-seed shuffles (``--seed``), never head slices.
@@ -173,6 +174,24 @@ def cmd_sweep(args) -> int:
     return 0
 
 
+def cmd_compare(args) -> int:
+    from lev_jax.bench import compare as compare_lib
+
+    res = compare_lib.compare(
+        compare_lib.load_results(args.a), compare_lib.load_results(args.b), resamples=args.resamples, seed=args.seed
+    )
+    text = compare_lib.markdown(res, args.a, args.b, args.resamples)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".md").write_text(text, encoding="utf-8")
+        doc = {"a": args.a, "b": args.b, "resamples": args.resamples, "seed": args.seed, "results": res}
+        out.with_suffix(".json").write_text(json.dumps(doc, indent=1), encoding="utf-8")
+        print(f"wrote {out.with_suffix('.md')}, {out.with_suffix('.json')}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="levbench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -243,6 +262,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-progress", action="store_true")
     _engine_args(s)
     s.set_defaults(fn=cmd_sweep)
+
+    c = sub.add_parser("compare", help="two eval results on the same items: B - A per metric, paired bootstrap")
+    c.add_argument("a", help="a `levbench eval --out` directory (or one task JSON): the baseline")
+    c.add_argument("b", help="the same for the model compared against it")
+    c.add_argument("--out", help="write OUT.md and OUT.json")
+    c.add_argument("--resamples", type=int, default=2000)
+    c.add_argument("--seed", type=int, default=0)
+    c.set_defaults(fn=cmd_compare)
     return ap
 
 
@@ -251,11 +278,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv
     t0 = time.perf_counter()
+    from lev_jax.bench.compare import CompareError
     from lev_jax.bench.evalset import EvalSetError
 
     try:
         return args.fn(args)
-    except (harness.FitRefused, EvalSetError, FileNotFoundError) as e:
+    except (harness.FitRefused, EvalSetError, CompareError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:

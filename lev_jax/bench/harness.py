@@ -174,6 +174,12 @@ def _bootstrap_ece_delta(base: list, cal: list, gold: list, n_bins: int, seed: i
     }
 
 
+def _sig(row) -> list[float]:
+    """Probabilities to 6 significant digits: small ones keep their size, so NLL (and any metric)
+    recomputed from the records matches the run's (6 decimal places would round them to 0)."""
+    return [float(f"{x:.6g}") for x in row]
+
+
 def score_task(es: EvalSet, results: list[dict], n_bins: int = 10) -> dict[str, Any]:
     """Metrics and per-row records from :func:`run_items` results."""
     rows, base_rows, gold, fams, records = [], [], [], [], []
@@ -202,14 +208,14 @@ def score_task(es: EvalSet, results: list[dict], n_bins: int = 10) -> dict[str, 
                 n_errors += 1
                 records.append({"i": r["i"], "question": name, "error": f"bad answer: {e}"})
                 continue
-            rec = {"i": r["i"], "question": name, "gold": g, "probs": [round(x, 6) for x in row]}
+            rec = {"i": r["i"], "question": name, "gold": g, "probs": _sig(row)}
             rows.append(row)
             gold.append(g)
             fams.append(name)
             if a.baseline is not None:
                 b = answer_row(q, a.baseline[name])
                 base_rows.append(b)
-                rec["uncalibrated_probs"] = [round(x, 6) for x in b]
+                rec["uncalibrated_probs"] = _sig(b)
             records.append(rec)
     out: dict[str, Any] = {
         "task": es.task,

@@ -6,7 +6,7 @@ A and B are `levbench eval --out` directories (or single task JSON files). Items
 readout both hold (the served, calibrated probabilities, and the uncalibrated ones when both runs
 scored a baseline) it reports accuracy, ECE, Brier and NLL of A and of B and the 95 % interval of
 B - A over `resamples` paired resamples of the items: the same resampled items score both models,
-so what the two share (item difficulty) cancels. Resampling is by cluster (`cluster`: the item's
+so what the two share (item difficulty) cancels. Resampling is by cluster (`clusters`: the item's
 state) when several questions were asked about one state, so they move together.
 """
 

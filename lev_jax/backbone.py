@@ -88,15 +88,19 @@ class Backbone:
         val_pad = np.zeros((B, total), bool)
         tok_pad[:, :P], val_pad[:, :P] = tokens, valid_np
         # the first chunk runs without a cache (nothing to attend to but itself: no scores against
-        # empty slots) and returns exactly its own slots; later chunks continue in a cache grown to size
+        # empty slots) and returns exactly its own slots; each later chunk continues in a cache grown
+        # just enough to hold it, so chunk k attends to k chunks of slots, not to the whole prefix's
+        # (attention work ~ P^2 / 2 instead of P^2), and its program (chunk, slots) is shared by
+        # every prefix length
         cache = None
         for start in range(0, total, step):
             sl = slice(start, start + step)
+            if cache is not None:
+                cache = cache_lib.grow(cache, start + step)
             _, cache = _extend(
                 self.params, jnp.asarray(tok_pad[:, sl]), jnp.asarray(val_pad[:, sl]), None, cache, self.config
             )
-            cache = cache_lib.grow(cache, slots)
-        return cache
+        return cache_lib.grow(cache, slots)
 
     def extend(self, cache, token_ids_BT, valid_BT=None, readout_BR=None):
         """Continue `cache` with B right-padded rows (a 1-row cache is forked to B rows). Returns

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from lev_jax import backbone as backbone_lib
-from lev_jax import buckets, domain, programs, readout
+from lev_jax import buckets, domain, programs, readout, runtime
 from lev_jax.backbone import Backbone, compiled_programs
 from lev_jax.calibrate import Calibration
 from lev_jax.errors import RequestError
@@ -73,6 +73,8 @@ class Engine:
         self.model_name = model_name or backbone.name
         self.checkpoint = checkpoint
         self.supports_images = False
+        # program keys (Executor.batch_programs) this process has run: what `ready` knows compiles nothing
+        self.compiled_keys: set[tuple] = set()
 
     prompt_style = property(lambda self: self.planner.prompt_style)
     layout = property(lambda self: self.planner.layout)
@@ -100,8 +102,12 @@ class Engine:
     ) -> list[dict]:
         """Answers of planned requests. `reader` (default: the executor's fast path) maps
         [(prefix_ids, rows)] to label logits; `calibration` defaults to the engine's."""
-        programs.guard()  # a long-lived process must not run out of memory-map entries (programs.py)
-        return readout.run(plans, reader or self.executor.read, usages, self.planner, calibration or self.calibration)
+        if programs.guard():  # a long-lived process must not run out of memory-map entries (programs.py)
+            self.compiled_keys.clear()  # every program was freed: each recompiles on next use
+        keys = self.batch_programs(plans) if reader is None else set()
+        out = readout.run(plans, reader or self.executor.read, usages, self.planner, calibration or self.calibration)
+        self.compiled_keys |= keys
+        return out
 
     def predict(self, state, questions, *, reference: bool = False, calibration: Calibration | None = None) -> dict:
         """Answers in the Jev shapes. `reference=True` runs one independent full forward per row
@@ -145,6 +151,18 @@ class Engine:
         plan = self.plan(state, questions)
         return self.executor.programs(plan.prefix_ids, plan.rows)
 
+    def batch_programs(self, plans: list[readout.RequestPlan]) -> set[tuple]:
+        """The device programs (shape-bucket keys) answering these planned requests together (one
+        micro-batch) runs."""
+        return self.executor.batch_programs([(p.prefix_ids, p.rows) for p in plans])
+
+    def ready(self, requests) -> bool:
+        """Would answering these requests together (a micro-batch of (state, questions) or (plan,
+        None) pairs) run only programs this process has already run, i.e. compile nothing? A server
+        keeps requests that compile out of the way of those that do not."""
+        plans = [s if isinstance(s, readout.RequestPlan) else self.plan(s, q) for s, q in requests]
+        return self.batch_programs(plans) <= self.compiled_keys
+
     @property
     def compiled_programs(self) -> int:
         """Device programs compiled so far (prefill chunks + row readouts)."""
@@ -164,6 +182,7 @@ class Engine:
             "label_codes": self.planner.group_size,
             "dtype": self.backbone.dtype,
             "platform": self.platform,
+            "compilation_cache": runtime.compilation_cache_dir(),
             "row_tokens_per_call": buckets.row_tokens_per_call(self.platform),
             "compiled_programs": self.compiled_programs,
             "buckets": {
@@ -175,10 +194,12 @@ class Engine:
         }
 
 
-def load_backbone(path_or_hub_id=None, dtype: str = "float32") -> Backbone:
+def load_backbone(path_or_hub_id=None, dtype: str = "auto") -> Backbone:
     """`lev_jax.backbone.load_backbone`, and a training run directory (`python -m train --out
-    RUN_DIR`): its newest readable checkpoint with the adapter merged."""
+    RUN_DIR`): its newest readable checkpoint with the adapter merged. `dtype`: as in `load`."""
     from lev_jax.training import run
+
+    dtype = runtime.resolve_dtype(dtype)
 
     if path_or_hub_id is not None and run.is_run(path_or_hub_id):
         return run.load_run(path_or_hub_id, dtype)[0]
@@ -189,7 +210,7 @@ def load(
     model=None,
     checkpoint=None,
     prompt_style: str | None = None,
-    dtype: str = "float32",
+    dtype: str = "auto",
     *,
     calibration="auto",
     noul_readout: str | None = None,
@@ -198,13 +219,18 @@ def load(
     """An engine over `model` (None = the embedded default, a checkpoint directory, a .gguf file, a
     hub id, a training run directory, or an already loaded Backbone). `calibration`: "auto"
     (calibration.json beside the weights or in the run, else the profile shipped for the backbone,
-    else none), a path, a Calibration, or None.
+    else none), a path, a Calibration, or None. `dtype`: "auto" (bfloat16 weights with fp32
+    accumulation where the device multiplies bf16 natively, else float32; `lev_jax.runtime`),
+    "float32" or "bfloat16". Compiled programs persist on disk across processes (the per-user
+    compilation cache, `lev_jax.runtime`; LEV_JAX_CACHE moves it, empty turns it off).
 
     A run directory serves its newest checkpoint (adapter merged) with the prompt settings it was
     trained with (prompt style, layout, noul readout, option averaging: the served rows are the
     trained rows); arguments given here override them."""
     if checkpoint is not None:
         raise ValueError("checkpoint= is not supported; pass a training run directory as the model")
+    runtime.enable_compilation_cache()
+    dtype = runtime.resolve_dtype(dtype)
     settings = {"prompt_style": "chat", "noul_readout": domain.BINARY}
     run_cal = served = None
     if isinstance(model, Backbone):

@@ -1,5 +1,6 @@
-"""``python -m scripts.loadtest [--url URL] [--burst N] [--max-pending N] ...``: the bounded loopback load
-test of the server; the code and its options are in lev_jax/bench/loadtest.py, results in BENCHMARKS.md."""
+"""``python -m scripts.loadtest [--url URL] [--burst N] [--max-pending N] [--warmup-budget S] ...``: the
+bounded loopback load test of the server (throughput right after ready, overload, warm throughput); the
+code and its options are in lev_jax/bench/loadtest.py, results in BENCHMARKS.md."""
 
 import sys
 

@@ -1,11 +1,19 @@
 """Fixtures shared across test files: each is built once per session (the suite's time budget is
 tight, and loading the embedded model or saving a tiny checkpoint costs seconds each time)."""
 
+import os
+
 import pytest
 
-import lev_jax
-from lev_jax import programs
-from lev_jax.loaders.gguf import embedded_default_path
+# Hermetic defaults for the whole suite, set before anything imports JAX: no on-disk compilation
+# cache shared with other runs (tests of the cache set their own), and dtype="auto" means fp32 on
+# every machine (the tests' tolerances are fp32's).
+os.environ.setdefault("LEV_JAX_CACHE", "")
+os.environ.setdefault("LEV_JAX_DTYPE", "float32")
+
+import lev_jax  # noqa: E402
+from lev_jax import programs  # noqa: E402
+from lev_jax.loaders.gguf import embedded_default_path  # noqa: E402
 
 
 @pytest.fixture(scope="session")

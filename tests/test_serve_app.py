@@ -400,7 +400,7 @@ def test_health(server, engine):
         "uptime_s",
     ):
         assert k in h, k
-    assert h["status"] == "ok" and h["model"] == engine.model_name and h["max_pending"] == 64
+    assert h["status"] == "ready" and h["model"] == engine.model_name and h["max_pending"] == 64
     assert h["option_cap"] == 255
 
 
@@ -501,7 +501,7 @@ def test_server_faults_are_500_with_the_error_shape(engine):
         assert_error(bad, 500, "internal_error")
         assert good.status_code == 200  # the failing request did not take its batch neighbour down
         h = httpx.get(s.url + "/health")
-        assert h.status_code == 200 and h.json()["status"] == "ok"  # health survives a broken info()
+        assert h.status_code == 200 and h.json()["status"] == "ready"  # health survives a broken info()
 
 
 def test_a_non_engine_is_refused_at_startup(engine):

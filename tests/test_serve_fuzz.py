@@ -415,6 +415,6 @@ def test_at_least_2000_bodies_and_the_server_is_still_up(server):
     assert total >= 2000, COUNTS
     assert COUNTS["statuses"].get(200, 0) >= 100, COUNTS  # the model was really exercised
     h = server.client.get("/health").json()
-    assert h["status"] == "ok" and h["in_flight"] == 0
+    assert h["status"] == "ready" and h["in_flight"] == 0
     metrics = server.client.get("/metrics").text
     assert 'status="500"' not in metrics and 'status="503"' not in metrics

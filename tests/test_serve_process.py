@@ -82,6 +82,22 @@ def test_jevcompat_without_a_key(open_server, setup):
     assert s["MUST"]["failed"] == 0 and s["SHOULD"]["failed"] == 0
 
 
+def test_jevcompat_on_the_embedded_model(setup):
+    """The default model as `python -m serve` serves it (the embedded SmolLM2-135M, dtype auto; no
+    warm-up, to spare the suite's time): every MUST and SHOULD, the 255-option choice included, within
+    the server's own timeout (a 255-option row is ~4.5k tokens, read chunk by chunk at the prefill rate)."""
+    with ServerProcess(
+        ["--max-pending", "64", "--warmup-budget", "0"],
+        env=setup["env"],
+        log_path=setup["root"] / "embedded.log",
+        startup_timeout=300,
+    ) as server:
+        report = jevcompat(server.url, setup["root"] / "embedded.json")
+    assert_all_pass(report, {"auth.bearer", "auth.missing", "auth.invalid"})
+    s = report["summary"]
+    assert s["MUST"]["failed"] == 0 and s["SHOULD"]["failed"] == 0
+
+
 def test_jevcompat_with_a_key(keyed_server, setup):
     report = jevcompat(keyed_server.url, setup["root"] / "keyed.json", "--key", KEY)
     assert_all_pass(report, {"auth.ignored-when-off"})

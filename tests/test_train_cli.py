@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from lev_jax import runtime
 from lev_jax.data.guard import default_eval_data_dir
 from lev_jax.training import cli, config
 
@@ -18,7 +19,7 @@ EVAL = default_eval_data_dir()
 
 @pytest.fixture(autouse=True)
 def _no_cache(monkeypatch):
-    monkeypatch.setenv(cli.CACHE_ENV, "")  # in-process: leave the test process's JAX config alone
+    monkeypatch.setenv(runtime.CACHE_ENV, "")  # in-process: leave the test process's JAX config alone
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 

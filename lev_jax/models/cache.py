@@ -17,6 +17,12 @@ that both option orders of a question continue. Attention layers keep the shared
 "seg_k" [B, K, D, Sg] / "seg_v" [B, K, Sg, D]; DeltaNet layers hold their state after the segment;
 "seg_valid" [B, Sg] marks real segment tokens and "pos" counts prefix + segment. Rows continuing a
 segment read it (`select_rows` picks each row's) and never write it.
+
+Several requests' prefixes stack into one cache of Bc rows (one per prefix), which B rows read in
+place by index (`index_rows`): attention layers carry "rows" int32 [B], the stacked row each reads
+(attention takes a row's keys and values per KV head, as it needs them: no per-row copy of the whole
+cache), while "pos" and the DeltaNet entries, small, are taken per row. A segment over such a cache
+keeps "rows" per segment row, so rows continuing a segment read their own prefix through it.
 """
 
 from __future__ import annotations
@@ -86,7 +92,9 @@ def advance(cache: dict | None, batch: int, valid_BT, layers: tuple) -> dict:
     return {"offset": cache["offset"] + valid_BT.shape[1], "valid": valid, "pos": pos, "layers": tuple(layers)}
 
 
-SEGMENT_ROW_KEYS = ("seg_k", "seg_v", "conv", "state")  # per-row entries of a segment cache's layers
+# per-row entries of a segment cache's layers ("rows": the stacked prefix row a segment continues)
+SEGMENT_ROW_KEYS = ("seg_k", "seg_v", "conv", "state", "rows")
+DELTANET_KEYS = ("conv", "state")
 
 
 def with_segment(cache: dict, valid_BT, layers: tuple) -> dict:
@@ -102,18 +110,45 @@ def with_segment(cache: dict, valid_BT, layers: tuple) -> dict:
     }
 
 
+def index_rows(cache: dict, rows_B) -> dict:
+    """A stacked cache as read by B rows, row b continuing stacked row `rows_B[b]` (int32 [B]):
+    attention entries stay stacked and are read by index ("rows"), the small per-row entries ("pos",
+    DeltaNet states) are taken per row. Read-only (a readout or a segment continues it)."""
+    take = lambda x: jnp.take(x, rows_B, axis=0)
+
+    def layer(entries):
+        if "k" in entries:
+            return {**entries, "rows": rows_B}
+        return {k: take(v) if k in DELTANET_KEYS else v for k, v in entries.items()}
+
+    return {**cache, "pos": take(cache["pos"]), "layers": tuple(map(layer, cache["layers"]))}
+
+
+def take_row(cache: dict, i: int) -> dict:
+    """Row i of a several-row cache, as a 1-row cache."""
+    return jax.tree.map(lambda x: x if x.ndim == 0 else x[i : i + 1], cache)
+
+
 def select_rows(cache: dict, rows_B) -> dict:
-    """Each of B rows' own segment out of a segment cache (shared entries stay shared)."""
+    """Each of B rows' own segment out of a segment cache (shared entries stay shared; over a
+    stacked cache, each row's segment keeps the index of the prefix it continues)."""
     take = lambda x: jnp.take(x, rows_B, axis=0)
     layers = tuple({k: take(v) if k in SEGMENT_ROW_KEYS else v for k, v in layer.items()} for layer in cache["layers"])
     return {**cache, "pos": take(cache["pos"]), "seg_valid": take(cache["seg_valid"]), "layers": layers}
 
 
-def concat_segments(parts: list[dict]) -> dict:
-    """Segment caches of several calls over the same shared cache, as one (rows stacked in order)."""
-    if len(parts) == 1:
+def concat_segments(parts: list[dict], rows: int | None = None) -> dict:
+    """Segment caches of several calls over the same shared cache, as one (rows stacked in order),
+    padded to `rows` rows (a shape bucket) with empty segments nothing reads."""
+    have = sum(p["pos"].shape[0] for p in parts)
+    if len(parts) == 1 and (rows is None or rows == have):
         return parts[0]
-    cat = lambda *xs: jnp.concatenate(xs, axis=0)
+
+    def cat(*xs):
+        if rows is not None and rows > have:
+            xs = (*xs, jnp.zeros((rows - have,) + xs[0].shape[1:], xs[0].dtype))
+        return jnp.concatenate(xs, axis=0)
+
     first = parts[0]
     layers = tuple(
         {k: cat(*(p["layers"][i][k] for p in parts)) if k in SEGMENT_ROW_KEYS else v for k, v in layer.items()}

@@ -242,29 +242,33 @@ def attend(
     dtype=None,
     anchored: bool = False,
     segment=None,
+    cache_rows_B=None,
 ):
     """Causal GQA attention of T new queries over (cached slots, then the T new keys).
 
     The cache may hold 1 row shared by all B query rows (a forked prefix, read in place and never
-    copied) or B rows. Cached slots are visible where `cache_valid_BS`; new keys where causal and
-    valid. Per KV head, the G query heads of all T tokens form R = G*T query rows; against a shared
-    cache every query row of every batch row meets the same keys, so the cache products are one
-    plain [B*R, D] x [D, S] matmul per KV head (XLA:CPU runs large *batched* dots ~10x slower than
-    the same work as 2-D dots, hence the loop over the few KV heads). Products take `dtype` inputs
-    (the weights' dtype) and accumulate fp32; softmax statistics are fp32 and the normalisation comes
-    after the value product, so the cache block and the new-token block are never concatenated.
+    copied), B rows, or (`cache_rows_B`, int32 [B]) any number of rows of which query row b reads
+    row `cache_rows_B[b]` (several requests' prefixes stacked, each read by its own rows; a row's
+    keys and values are taken per KV head as the layer runs). Cached slots are visible where
+    `cache_valid_BS`; new keys where causal and valid. Per KV head, the G query heads of all T
+    tokens form R = G*T query rows; against a shared cache every query row of every batch row meets
+    the same keys, so the cache products are one plain [B*R, D] x [D, S] matmul per KV head
+    (XLA:CPU runs large *batched* dots ~10x slower than the same work as 2-D dots, hence the loop
+    over the few KV heads). Products take `dtype` inputs (the weights' dtype) and accumulate fp32;
+    softmax statistics are fp32 and the normalisation comes after the value product, so the cache
+    block and the new-token block are never concatenated.
     `segment` (k [B, K, D, Sg], v [B, K, Sg, D], valid [B, Sg]): a second cache level between a shared
     cache and the new tokens, one per row (the question header both option orders continue), read as
     a third block.
 
     Softmax stabiliser. Exact (default): each block (cached slots, segment, new tokens) takes its own
     max and the blocks are rescaled to the common max after their value products (as in flash
-    attention). `anchored` (shared caches only): every block uses the row's own-token max +
-    ANCHOR_OFFSET, so the shared cache block's scores are never reduced for a max and XLA:CPU
-    streams them straight into exp (~10 % of a row readout). The result is the same softmax; it only
-    fails where a cached score exceeds every own-token score by more than ~137, and then it fails
-    loudly: exp overflows and the row's outputs become NaN. Callers check for non-finite results and
-    rerun exact.
+    attention). `anchored` (with a cache, shared or per row): every block uses the row's own-token
+    max + ANCHOR_OFFSET, so the cache blocks' scores are never reduced for a max and XLA:CPU streams
+    them straight into exp (~10 % of a row readout against a shared cache). The result is the same
+    softmax; it only fails where a cached score exceeds every own-token score by more than ~137, and
+    then it fails loudly: exp overflows and the row's outputs become NaN. Callers check for
+    non-finite results and rerun exact.
     """
     B, T, H, D = q_BTHD.shape
     K = k_BTKD.shape[2]
@@ -276,13 +280,21 @@ def attend(
     v_BKTD = v_BTKD.transpose(0, 2, 1, 3).astype(dt)
     mask_new_BRT = jnp.tile(jnp.tril(jnp.ones((T, T), bool)), (G, 1))[None] & valid_BT[:, None, :]
     has_cache = cache_k_BKDS is not None
-    shared = has_cache and cache_k_BKDS.shape[0] == 1 and B > 1
-    anchored = anchored and shared
+    indexed = has_cache and cache_rows_B is not None
+    shared = has_cache and not indexed and cache_k_BKDS.shape[0] == 1 and B > 1
+    anchored = anchored and has_cache
+    if indexed:
+        # The index made to depend on this layer's queries (a NaN query row, whose output is NaN
+        # whatever it reads, reads row 0): XLA then takes each layer's rows of the cache when that
+        # layer runs. Otherwise it hoists every layer's copies ahead of the forward, and they all
+        # live at once (memory ~ layers x rows x slots instead of rows x slots).
+        cache_rows_B = jnp.where(jnp.isnan(q_BTHD[:, 0, 0, 0]), 0, cache_rows_B)
+        cache_valid_BS = jnp.take(cache_valid_BS, cache_rows_B, axis=0)
     # Masks enter as additive biases (0 or _MASKED) on the scores: a select over the scores made
     # XLA:CPU materialise a masked copy of them. A row that sees anything gives masked slots exactly
     # zero weight; a padding row that sees nothing gets finite weights (it is never read).
     bias_new_BRT = jnp.where(mask_new_BRT, 0.0, _MASKED).astype(f32)
-    blocks = []  # cached blocks: (keys, values, bias, shared by every row)
+    blocks = []  # cached blocks: (keys, values, bias, shared by every row, rows to take per head)
     if has_cache:
         bias_cache_B1S = jnp.where(cache_valid_BS[:, None, :], 0.0, _MASKED).astype(f32)
         blocks.append(
@@ -291,13 +303,13 @@ def attend(
                 cache_v_BKSD.astype(dt),
                 _materialize(bias_cache_B1S[0, 0]) if shared else bias_cache_B1S,
                 shared,
+                cache_rows_B if indexed else None,
             )
         )
     if segment is not None:
         seg_k, seg_v, seg_valid_BS = segment
-        blocks.append(
-            (seg_k.astype(dt), seg_v.astype(dt), jnp.where(seg_valid_BS[:, None, :], 0.0, _MASKED).astype(f32), False)
-        )
+        bias_seg = jnp.where(seg_valid_BS[:, None, :], 0.0, _MASKED).astype(f32)
+        blocks.append((seg_k.astype(dt), seg_v.astype(dt), bias_seg, False, None))
 
     def weights(s, m):  # `dtype` weights for the value product, and their exact fp32 sum
         p = jnp.exp(s - m).astype(dt)
@@ -312,7 +324,7 @@ def attend(
             m_n = jnp.where(m_n > _MASKED / 2, m_n, 0.0) + ANCHOR_OFFSET
         p_n, d_n = weights(s_n, m_n)
         parts = [(m_n, d_n, einsum("brt,btd->brd", p_n, v_BKTD[:, h]))]
-        for ck, cv, bias, one_row in blocks:
+        for ck, cv, bias, one_row, rows in blocks:
             if one_row:  # [B*R, D] x [D, S], kept 2-D through the value product
                 s_c = einsum("rd,ds->rs", q_BRD.reshape(B * R, D), ck[0, h]) + bias
                 m_c = m_n.reshape(B * R, 1) if anchored else s_c.max(axis=-1, keepdims=True)
@@ -320,10 +332,11 @@ def attend(
                 o_c = einsum("rs,sd->rd", p_c, cv[0, h]).reshape(B, R, D)
                 parts.append((m_c.reshape(B, R, 1), d_c.reshape(B, R, 1), o_c))
             else:
-                s_c = einsum("brd,bds->brs", q_BRD, ck[:, h]) + bias
+                ck_h, cv_h = (ck[:, h], cv[:, h]) if rows is None else (ck[rows, h], cv[rows, h])
+                s_c = einsum("brd,bds->brs", q_BRD, ck_h) + bias
                 m_c = m_n if anchored else s_c.max(axis=-1, keepdims=True)
                 p_c, d_c = weights(s_c, m_c)
-                parts.append((m_c, d_c, einsum("brs,bsd->brd", p_c, cv[:, h])))
+                parts.append((m_c, d_c, einsum("brs,bsd->brd", p_c, cv_h)))
         if anchored:  # one stabiliser for every block: plain sums
             outs.append(sum(o for _, _, o in parts) / sum(d for _, d, _ in parts))
             continue
@@ -407,9 +420,9 @@ class Attention(nnx.Module):
         if self.qk_norm is not None:
             q_BTHD, k_BTKD = self.q_norm(q_BTHD), self.k_norm(k_BTKD)
         q_BTHD, k_BTKD = apply_rope(q_BTHD, ctx.cos, ctx.sin), apply_rope(k_BTKD, ctx.cos, ctx.sin)
-        ck = cv = segment = None
+        ck = cv = segment = rows = None
         if layer_cache is not None:
-            ck, cv = layer_cache["k"], layer_cache["v"]
+            ck, cv, rows = layer_cache["k"], layer_cache["v"], layer_cache.get("rows")
             if "seg_k" in layer_cache:
                 segment = (layer_cache["seg_k"], layer_cache["seg_v"], ctx.seg_valid)
         out = attend(
@@ -424,6 +437,7 @@ class Attention(nnx.Module):
             dtype=self.o_proj.kernel.dtype,
             anchored=ctx.anchored_softmax,
             segment=segment,
+            cache_rows_B=rows,
         ).reshape(B, T, H * D)
         if gate_BTX is not None:
             out = out * jax.nn.sigmoid(gate_BTX)
@@ -435,8 +449,12 @@ class Attention(nnx.Module):
             if layer_cache is None or segment is not None:
                 raise ValueError("a segment continues a cache that has none yet")
             new_cache = {"k": ck, "v": cv, "seg_k": k_BKDT.astype(dt), "seg_v": v_BKTD.astype(dt)}
+            if rows is not None:  # each segment row keeps the stacked row it continues
+                new_cache["rows"] = rows
         elif segment is not None:
             raise ValueError("a cache with a segment is read-only (cache_write=CacheWrite.NONE)")
+        elif rows is not None:
+            raise ValueError("a stacked cache read by row index is read-only (cache_write=CacheWrite.NONE)")
         elif layer_cache is None:  # a cache of exactly these T slots, in the cache dtype (the weights')
             new_cache = {"k": k_BKDT.astype(dt), "v": v_BKTD.astype(dt)}
         else:

@@ -6,7 +6,8 @@ first, the question before the state joins the prefix in that LRU (`Row.stateles
 states asked one question computes the question once; when it pays, the question headers its rows
 share become a per-question cache segment; rows are grouped shortest
 first into calls padded to shape buckets; several requests' prefixes are stacked so their rows
-share calls; a call the anchored softmax cannot serve is rerun with the exact one.
+share calls (each row, and each header segment, reads its own request's prefix in place); a call
+the anchored softmax cannot serve is rerun with the exact one.
 
 A reader is `reader(entries, usages) -> per entry, one logits array per row` with entries
 `[(prefix_ids, rows)]`: `Executor.read` is the fast one, `Executor.read_reference` runs one
@@ -32,6 +33,9 @@ from lev_jax.readout.plan import Row
 # Question headers shared by a readout's rows become a cache segment when that saves at least this
 # many row tokens (and a tenth of them): below it the extra device call costs more than it saves.
 MIN_SEGMENT_SAVING = 64
+# the row counts a segment cache is padded to (its rows are read by index: padding costs memory only),
+# so the programs reading it come in a few shapes
+SEGMENT_ROWS = buckets.geometric(1, 1 << 20, 2)
 
 
 @dataclasses.dataclass
@@ -54,9 +58,10 @@ class Call:
 
 @dataclasses.dataclass(frozen=True)
 class SegmentPlan:
-    headers: list[list[int]]  # distinct question headers
+    headers: list[list[int]]  # distinct question headers (per prefix: the same text after two prefixes is two)
     header_of_row: list[int]
     rest: list[Row]  # the rows without their headers
+    prefix_of_header: list[int]  # the stacked prefix each header continues (all 0 for one prefix)
 
 
 class Executor:
@@ -111,22 +116,25 @@ class Executor:
         ]
 
     @staticmethod
-    def segment_plan(rows: list[Row]) -> SegmentPlan | None:
+    def segment_plan(rows: list[Row], prefix_of_row: list[int] | None = None) -> SegmentPlan | None:
         """The question headers as cache segments both option orders continue, when computing each
-        distinct header once saves enough row tokens to pay for its extra device call; else None."""
-        headers, index, header_of_row, rest = [], {}, [], []
-        for r in rows:
-            key = tuple(r.tokens[: r.header])
+        distinct header once saves enough row tokens to pay for its extra device call; else None.
+        With `prefix_of_row` (rows of several stacked prefixes) a header is distinct per prefix."""
+        headers, index, header_of_row, rest, prefix_of_header = [], {}, [], [], []
+        for i, r in enumerate(rows):
+            prefix = 0 if prefix_of_row is None else prefix_of_row[i]
+            key = (prefix, tuple(r.tokens[: r.header]))
             if key not in index:
                 index[key] = len(headers)
-                headers.append(list(key))
+                headers.append(list(key[1]))
+                prefix_of_header.append(prefix)
             header_of_row.append(index[key])
             rest.append(Row(r.tokens[r.header :], r.label_ids))
         total = sum(len(r.tokens) for r in rows)
         saved = total - sum(map(len, headers)) - sum(len(r.tokens) for r in rest)
         if saved < max(MIN_SEGMENT_SAVING, total // 10):
             return None
-        return SegmentPlan(headers, header_of_row, rest)
+        return SegmentPlan(headers, header_of_row, rest, prefix_of_header)
 
     def segment_calls(self, headers: list[list[int]]) -> tuple[int, list[tuple[list[int], int]]]:
         """(segment length bucket, calls of (header indices, rows bucket)): every header padded to one
@@ -161,15 +169,55 @@ class Executor:
         p = len(prefix_ids)
         pb = buckets.fit(p, buckets.PREFIX[1:], "prefix length") if p else 0
         keys = {("prefill", pb)} if pb else set()
-        seg = self.segment_plan(rows) if pb else None
+        if any(map(is_long, rows)):
+            for r in filter(is_long, rows):
+                codes = buckets.fit(len(r.label_ids), buckets.CODES, "label codes")
+                keys |= {(*call, codes) if call[0] == "tail" else call for call in self.long_row_calls(pb, pb, r)}
+            rows = [r for r in rows if not is_long(r)]
+            if not rows:
+                return keys
+        return keys | self.read_programs(("rows", pb), rows, segments=bool(pb))
+
+    def read_programs(self, base: tuple, rows: list[Row], prefix_of_row=None, *, segments=True) -> set[tuple]:
+        """The programs `read_rows` runs for short `rows` after a cache keyed `base`: ("rows", pb) for
+        one prefix of pb slots, ("stacked", n, slots) for n stacked prefixes (`prefix_of_row`: each
+        row's). With header segments (never without a prefix), the segment calls ("segment" or
+        "stacked-segment", ..., rows bucket, header bucket) and the row calls, keyed also by the
+        header bucket and the segment cache's row count (SEGMENT_ROWS)."""
+        seg = self.segment_plan(rows, prefix_of_row) if segments else None
         if seg is None:
-            return keys | {("rows", pb, c.batch, c.length, c.codes) for c in self.calls(rows)}
+            return {(*base, c.batch, c.length, c.codes) for c in self.calls(rows)}
         sg, calls = self.segment_calls(seg.headers)
-        return (
-            keys
-            | {("segment", pb, b, sg) for _, b in calls}
-            | {("rows", pb, sg, c.batch, c.length, c.codes) for c in self.calls(seg.rest)}
-        )
+        n_seg = buckets.fit(sum(b for _, b in calls), SEGMENT_ROWS, "question headers")
+        name = "segment" if base[0] == "rows" else "stacked-segment"
+        return {(name, *base[1:], b, sg) for _, b in calls} | {
+            (*base, sg, n_seg, c.batch, c.length, c.codes) for c in self.calls(seg.rest)
+        }
+
+    def batch_programs(self, entries) -> set[tuple]:
+        """The programs `read(entries)` runs for a micro-batch of (prefix_ids, rows) entries: each
+        entry's own where they are read one by one, else the stacked calls (keyed by the number of
+        stacked prefixes and their common slot count; header segments as in `read_programs`) plus
+        each prefix's prefill. A batch whose keys were all seen before compiles nothing (round 2 of
+        a grouped choice aside)."""
+        if len(entries) == 1 or any(not p or any(r.stateless for r in rows) for p, rows in entries):
+            return set().union(*(self.programs(p, rows) for p, rows in entries))
+        keys = set()
+        per_call = buckets.ROWS[-1]
+        for start in range(0, len(entries), per_call):
+            part = entries[start : start + per_call]
+            pbs = [buckets.fit(len(p), buckets.PREFIX[1:], "prefix length") for p, _ in part]
+            keys |= {("prefill", pb) for pb in pbs}
+            n, slots = buckets.fit(len(part), buckets.ROWS, "requests"), max(pbs)
+            flat = [(k, r) for k, (_, rows) in enumerate(part) for r in rows]
+            for _, r in flat:
+                if is_long(r):
+                    codes = buckets.fit(len(r.label_ids), buckets.CODES, "label codes")
+                    keys |= {(*c, codes) if c[0] == "tail" else c for c in self.long_row_calls(slots, slots, r)}
+            short = [(k, r) for k, r in flat if not is_long(r)]
+            if short:
+                keys |= self.read_programs(("stacked", n, slots), [r for _, r in short], [k for k, _ in short])
+        return keys
 
     # -- readers -----------------------------------------------------------------------------------
     def prefix_cache(self, prefix_ids):
@@ -246,15 +294,76 @@ class Executor:
 
     def read_rows(self, cache, rows: list[Row], prefix_of_row) -> list[np.ndarray]:
         """Label logits of `rows` continuing `cache` (one shared prefix, or a stacked cache with
-        `prefix_of_row`), through question-header segments where they pay."""
-        seg = self.segment_plan(rows) if prefix_of_row is None and cache is not None else None
+        `prefix_of_row`), through question-header segments where they pay (over a stacked cache,
+        each header continues its own prefix); rows longer than a prefill chunk one by one, chunk by
+        chunk (`read_long_row`)."""
+        long = [i for i, r in enumerate(rows) if is_long(r)]
+        if long:
+            out: list = [None] * len(rows)
+            short = [i for i, r in enumerate(rows) if not is_long(r)]
+            if short:
+                which = None if prefix_of_row is None else [prefix_of_row[i] for i in short]
+                for i, logits in zip(short, self.read_rows(cache, [rows[i] for i in short], which)):
+                    out[i] = logits
+            for i in long:
+                own = cache if prefix_of_row is None else cache_lib.take_row(cache, prefix_of_row[i])
+                out[i] = self.read_long_row(own, rows[i])
+            return out
+        seg = self.segment_plan(rows, prefix_of_row) if cache is not None else None
         if seg is None:
             return self.read_calls(cache, rows, prefix_of_row=prefix_of_row)
-        seg_cache, where = self.compute_segments(cache, seg.headers)
+        prefix_of_header = None if prefix_of_row is None else seg.prefix_of_header
+        seg_cache, where = self.compute_segments(cache, seg.headers, prefix_of_header)
         return self.read_calls(seg_cache, seg.rest, segment_of_row=[where[h] for h in seg.header_of_row])
 
-    def compute_segments(self, cache, headers: list[list[int]]):
-        """(segment cache of every header after the shared prefix, header index -> its cache row)."""
+    @staticmethod
+    def long_row_calls(offset: int, slots: int, row: Row) -> list[tuple[str, int, int]]:
+        """The device calls of a long row continuing a cache whose next slot is `offset` of `slots`:
+        ("chunk", slots, PREFILL_CHUNK) per leading chunk, each written into the cache grown to
+        hold it (to a multiple of the chunk, so these programs are shared by every prefix length),
+        then ("tail", slots, tail bucket) reading the answer from the row's last tokens."""
+        chunk = buckets.PREFILL_CHUNK
+        n = len(row.tokens)
+        calls, start = [], 0
+        while n - start > chunk:
+            slots = max(slots, -(-(offset + chunk) // chunk) * chunk)
+            calls.append(("chunk", slots, chunk))
+            offset, start = offset + chunk, start + chunk
+        return calls + [("tail", slots, buckets.fit(n - start, buckets.SUFFIX, "question length"))]
+
+    def read_long_row(self, cache, row: Row) -> np.ndarray:
+        """Label logits of one row longer than a prefill chunk, continuing a 1-row `cache` (or none):
+        its leading chunks extend a private copy of the cache exactly as a prefill does, then its
+        last tokens are read like any row. The cost follows the row's tokens at the prefill rate;
+        one call over all of them would score every token against every other at once (a T x T
+        block per head that leaves the CPU's caches far behind: several times slower per token at
+        2k tokens, BENCHMARKS.md)."""
+        bb = self.backbone
+        offset, slots = (0, 0) if cache is None else (int(cache["offset"]), int(cache["valid"].shape[1]))
+        start = 0
+        for kind, size, length in self.long_row_calls(offset, slots, row):
+            if kind == "tail":
+                break
+            tokens, valid = logits_lib.pack_prefixes([row.tokens[start : start + length]], 1, length)
+            if cache is not None:
+                cache = cache_lib.grow(cache, size)
+            cache = logits_lib.extend_cache(bb.params, cache, jnp.asarray(tokens), jnp.asarray(valid), bb.config)
+            start += length
+        tail = Row(row.tokens[start:], row.label_ids)
+        batch = logits_lib.pack_rows([tail], 1, length, buckets.fit(len(row.label_ids), buckets.CODES, "label codes"))
+        logits = logits_lib.read_rows(
+            bb.params,
+            cache,
+            None,
+            *map(jnp.asarray, (batch.tokens_BT, batch.valid_BT, batch.answer_B, batch.label_ids_BC)),
+            bb.config,
+            anchored=False,  # one row, one call, no rerun to fall back on: the exact softmax
+        )
+        return np.asarray(logits)[0, : len(row.label_ids)]
+
+    def compute_segments(self, cache, headers: list[list[int]], prefix_of_header: list[int] | None = None):
+        """(segment cache of every header after the shared prefix, or after its own prefix of a
+        stacked cache (`prefix_of_header`), header index -> its cache row)."""
         bb = self.backbone
         sg, calls = self.segment_calls(headers)
         parts, where, first_row = [], {}, 0
@@ -263,18 +372,23 @@ class Executor:
             for j, h in enumerate(idx):
                 where[h] = first_row + j
             first_row += bsz
+            which = None
+            if prefix_of_header is not None:
+                which = np.zeros((bsz,), np.int32)
+                which[: len(idx)] = [prefix_of_header[h] for h in idx]
+                which = jnp.asarray(which)
             args = (bb.params, cache, jnp.asarray(tokens), jnp.asarray(valid), bb.config)
-            part, finite = logits_lib.compute_segments(*args)
-            if not bool(finite):  # the anchored softmax could not serve a header (layers.attend)
+            part, finite = logits_lib.compute_segments(*args, prefix_B=which)
+            if not np.asarray(finite)[: len(idx)].all():  # the anchored softmax could not serve a header
                 self.exact_reruns += 1
-                part, _ = logits_lib.compute_segments(*args, anchored=False)
+                part, _ = logits_lib.compute_segments(*args, anchored=False, prefix_B=which)
             parts.append(part)
-        return cache_lib.concat_segments(parts), where
+        return cache_lib.concat_segments(parts, buckets.fit(first_row, SEGMENT_ROWS, "question headers")), where
 
     def read_calls(self, cache, rows: list[Row], *, prefix_of_row=None, segment_of_row=None) -> list[np.ndarray]:
         """Label logits of `rows` in bucketed batched calls. Each row continues `cache` (a shared
         prefix), its request's prefix in a stacked cache (`prefix_of_row`), or its header's segment
-        (`segment_of_row`)."""
+        (`segment_of_row`, which knows its prefix). Every call first with the anchored softmax."""
         out: list[np.ndarray | None] = [None] * len(rows)
         bb = self.backbone
         per_row = prefix_of_row if segment_of_row is None else segment_of_row
@@ -304,6 +418,11 @@ class Executor:
             for j, i in enumerate(call.rows):
                 out[i] = logits[j, : len(rows[i].label_ids)]
         return out
+
+
+def is_long(row: Row) -> bool:
+    """A row read chunk by chunk (`Executor.read_long_row`) rather than in one call."""
+    return len(row.tokens) > buckets.PREFILL_CHUNK
 
 
 def stack_caches(caches: list[dict], n: int) -> dict:

@@ -67,10 +67,11 @@ def rows_label_logits(
     remat: str = "none",
 ):
     """[B, C] fp32 label logits of B rows continuing `cache`: one shared prefix (`prefix_B` None) or
-    a cache stacking several prefixes, row b reading prefix `prefix_B[b]`. `anchored`: the anchored
-    attention softmax (layers.attend); a row it cannot serve comes out NaN."""
+    a cache stacking several prefixes, row b reading prefix `prefix_B[b]` in place
+    (cache.index_rows). `anchored`: the anchored attention softmax (layers.attend); a row it cannot
+    serve comes out NaN."""
     if prefix_B is not None:
-        cache = jax.tree.map(lambda x: x if x.ndim == 0 else jnp.take(x, prefix_B, axis=0), cache)
+        cache = cache_lib.index_rows(cache, prefix_B)
     hidden_BRE, _ = models.forward(
         params,
         tokens_BT,
@@ -131,14 +132,15 @@ def read_segment_rows(params, cache, segment_B, tokens_BT, valid_BT, answer_B, l
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "anchored"))
-def compute_segments(params, cache, tokens_BT, valid_BT, cfg, anchored=True):
-    """(segment cache, finite): B question headers continuing a shared prefix, kept per row; `finite`
-    is False where the anchored softmax could not serve them (then: rerun exact)."""
+def compute_segments(params, cache, tokens_BT, valid_BT, cfg, anchored=True, prefix_B=None):
+    """(segment cache, finite_B): B question headers continuing a shared prefix (`prefix_B` None) or,
+    header b, prefix `prefix_B[b]` of a stacked cache (read in place, cache.index_rows), kept per
+    row; `finite_B` is False for a header the anchored softmax could not serve (then: rerun exact)."""
     readout = jnp.zeros((tokens_BT.shape[0], 1), jnp.int32)  # the hidden state is not needed; keep it small
     _, seg = models.forward(
         params,
         tokens_BT,
-        cache,
+        cache if prefix_B is None else cache_lib.index_rows(cache, prefix_B),
         cfg,
         valid_BT=valid_BT,
         readout_BR=readout,
@@ -146,9 +148,25 @@ def compute_segments(params, cache, tokens_BT, valid_BT, cfg, anchored=True):
         anchored_softmax=anchored,
     )
     rows = [x for layer in seg["layers"] for k, x in layer.items() if k in cache_lib.SEGMENT_ROW_KEYS]
-    return seg, jnp.all(jnp.stack([jnp.isfinite(x).all() for x in rows]))
+    finite = [
+        jnp.isfinite(x).reshape(x.shape[0], -1).all(axis=1) for x in rows if jnp.issubdtype(x.dtype, jnp.floating)
+    ]
+    return seg, jnp.all(jnp.stack(finite), axis=0)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def extend_cache(params, cache, tokens_BT, valid_BT, cfg):
+    """`cache` continued by B rows of tokens, written into its slots (a long row's leading chunks)."""
+    readout = jnp.zeros((tokens_BT.shape[0], 1), jnp.int32)  # the hidden state is not needed
+    _, cache = models.forward(params, tokens_BT, cache, cfg, valid_BT=valid_BT, readout_BR=readout)
+    return cache
 
 
 def compiled_programs() -> int:
-    """Row and segment programs compiled so far in this process."""
-    return read_rows._cache_size() + read_segment_rows._cache_size() + compute_segments._cache_size()
+    """Row, segment and long-row programs compiled so far in this process."""
+    return (
+        read_rows._cache_size()
+        + read_segment_rows._cache_size()
+        + compute_segments._cache_size()
+        + extend_cache._cache_size()
+    )

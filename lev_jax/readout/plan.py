@@ -18,6 +18,13 @@ import numpy as np
 from lev_jax import buckets, domain, labels, prompt
 from lev_jax.errors import RequestError, TokenLimitError
 
+# Option averaging reads a choice in both presentation orders (cancelling position bias) while its
+# row stays within this many tokens; a longer listing (over ~100 options with descriptions) is read in
+# the given order only: a second order would double the cost of the request's most expensive row
+# (255 options: ~4.5k tokens a row), and the calibration fitted for large choices absorbs the order bias
+# that remains.
+AVERAGING_MAX_ROW_TOKENS = 2048
+
 
 @dataclasses.dataclass
 class Row:
@@ -201,13 +208,15 @@ class Planner:
         """A readout over the options `idx` of choice `q` (in both orders with option averaging)."""
         options = list(q["criteria"].items())
         codes = self.codes.letters(len(idx))
-        orders = [idx] + ([idx[::-1]] if self.option_averaging and len(idx) > 1 else [])
         pos = {opt: j for j, opt in enumerate(idx)}
         rows, maps = [], []
-        for order in orders:
+        for order in (idx, idx[::-1]):
             text = prompt.choice_text(q["instructions"], [options[i] for i in order], [c for c, _ in codes])
             rows.append(self._row(state_text, text, [t for _, t in codes]))
             maps.append([pos[i] for i in order])
+            averaged = self.option_averaging and len(idx) > 1 and len(rows[0].tokens) <= AVERAGING_MAX_ROW_TOKENS
+            if not averaged:
+                break
         return Readout(domain.CHOICE, domain.LETTER, len(idx), share_header(rows), maps)
 
     def question(self, state_text: str, qid: str, q: dict) -> QuestionPlan:

@@ -36,6 +36,7 @@ from lev_jax.server import wire
 from lev_jax.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from lev_jax.server.metrics import Metrics
 from lev_jax.server.scheduler import QueueFull, Scheduler, ShuttingDown
+from lev_jax.server.warmup import Warmup
 
 log = logging.getLogger("lev_jax.server")
 
@@ -62,6 +63,8 @@ class ServerConfig:
     drain_timeout_s: float = 60.0  # graceful shutdown: how long to wait for in-flight requests
     api_keys: frozenset[str] = field(default_factory=frozenset)
     release_date: str = RELEASE_DATE
+    # seconds of background warm-up at start (lev_jax/server/warmup.py); 0: none, ready at once
+    warmup_budget_s: float = 0.0
 
 
 class _ClientGone(Exception):
@@ -129,7 +132,10 @@ def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> Fa
         max_batch_rows=cfg.max_batch_rows,
         batch_wait_s=cfg.batch_wait_ms / 1000,
         metrics=metrics,
+        # engines that know their compiled programs keep compiling requests out of the ready lane
+        ready=getattr(engine, "ready", None),
     )
+    warmup = Warmup(engine, cfg.warmup_budget_s)
     model_name = engine.model_name
     accepted_models = {ALIAS, model_name}
     started = time.time()
@@ -137,6 +143,7 @@ def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> Fa
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await scheduler.start()
+        warmup.start()
         log.info(
             "serving %s (max_pending=%d, max_batch_tokens=%d, timeout=%gs, auth %s)",
             model_name,
@@ -148,6 +155,7 @@ def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> Fa
         try:
             yield
         finally:
+            warmup.stop()
             n = scheduler.pending
             if n:
                 log.info("shutting down: finishing %d request(s) in flight", n)
@@ -163,6 +171,7 @@ def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> Fa
     )
     app.state.engine = engine
     app.state.scheduler = scheduler
+    app.state.warmup = warmup
     app.state.metrics = metrics
     app.state.config = cfg
     app.add_middleware(RequestContext, metrics=metrics)
@@ -336,7 +345,17 @@ def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> Fa
     async def health():
         info = _engine_info(engine)
         return {
-            "status": "draining" if scheduler.closing else "ok",
+            # ready: the warm-up has run (requests are answered while warming, but may compile)
+            "status": "draining" if scheduler.closing else warmup.state,
+            "warmup": warmup.info(),
+            "dtype": info.get("dtype"),
+            "platform": info.get("platform"),
+            "compilation_cache": info.get("compilation_cache"),
+            "compile_lane": {
+                "requests": scheduler.cold_runs,
+                "background_compiles": scheduler.background_compiles,
+                "split_batches": scheduler.split_batches,
+            },
             "model": info.get("model", model_name),
             "checkpoint": info.get("checkpoint"),
             "prompt_style": info.get("prompt_style"),
@@ -379,7 +398,13 @@ def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> Fa
         for path in ("/v1/systemone", "/v1/models"):
             for op in schema["paths"].get(path, {}).values():
                 op["security"] = [{"bearer": []}, {}]
-        rid = {"description": "Request id (req_ + 24 hex digits), on every response.", "schema": {"type": "string"}}
+        # (every header declared here is sent on every response of its status: `required`, so that a
+        # conformance checker holds the server to it)
+        rid = {
+            "description": "Request id (req_ + 24 hex digits), on every response.",
+            "required": True,
+            "schema": {"type": "string", "pattern": "^req_[0-9a-f]{24}$"},
+        }
         for ops in schema["paths"].values():
             for op in ops.values():
                 for code, resp in op.get("responses", {}).items():
@@ -388,12 +413,14 @@ def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> Fa
                     if code in ("429", "503"):
                         headers["Retry-After"] = {
                             "description": "Seconds to wait before retrying (integer, >= 1).",
-                            "schema": {"type": "integer"},
+                            "required": True,
+                            "schema": {"type": "integer", "minimum": 1},
                         }
                     if code == "429":
                         headers["retry-after-ms"] = {
                             "description": "The same wait in milliseconds (what the SDKs read first).",
-                            "schema": {"type": "integer"},
+                            "required": True,
+                            "schema": {"type": "integer", "minimum": 1},
                         }
         app.openapi_schema = schema
         return schema
@@ -468,8 +495,11 @@ def _request_schemas() -> dict[str, Any]:
 _REQUEST_BODY = {
     "requestBody": {
         "required": True,
-        "description": "JSON, optionally with Content-Encoding zstd, gzip or deflate. Requests with images may be "
-        "multipart/form-data: a JSON part `request` and one raw part per asset (`asset-0`, ...).",
+        "description": "JSON, optionally with Content-Encoding zstd, gzip or deflate (any Content-Type other than "
+        "multipart/form-data, or none, is read as JSON). Requests with images may be "
+        "multipart/form-data: a JSON part `request` and one raw part per asset (`asset-0`, ...). Every part "
+        "besides `request` must be named by the `part` of exactly one entry in `assets`: a part that no asset "
+        "names (or that two name) is answered 400, as the official API does.",
         "content": {
             "application/json": {"schema": {"$ref": "#/components/schemas/SystemOneRequest"}},
             "multipart/form-data": {
@@ -477,8 +507,18 @@ _REQUEST_BODY = {
                     "type": "object",
                     "required": ["request"],
                     "properties": {"request": {"$ref": "#/components/schemas/SystemOneRequest"}},
-                    "additionalProperties": {"type": "string", "format": "binary"},
-                }
+                    "propertyNames": {"minLength": 1},
+                    # The names the server accepts besides `request` are the `part` values of the request's
+                    # own assets: a cross-reference JSON Schema cannot state, so it is declared here in words
+                    # and answered 400 (documented under 400) when broken.
+                    "additionalProperties": {
+                        "type": "string",
+                        "format": "binary",
+                        "description": "The raw bytes of one image asset, in the part named by that asset's `part` "
+                        "(the SDK sends asset-0, asset-1, ...). A part no asset names is answered 400.",
+                    },
+                },
+                "encoding": {"request": {"contentType": "application/json"}},
             },
         },
     }
@@ -491,8 +531,10 @@ def _err(description: str) -> dict:
 
 _ERROR_RESPONSES: dict[int | str, dict] = {
     400: _err(
-        "api_usage_error: unknown model, a box question, images for a text-only model, asset problems, "
-        "or a body that cannot be decompressed"
+        "api_usage_error, also for requests the schema allows: an unknown model; a box question; images for a "
+        "text-only model; an asset problem (a `part` the body does not have, a multipart part that no asset "
+        "names or that two assets name, invalid base64, an empty asset, bytes that are not PNG/JPEG); a malformed "
+        "multipart body; a body that cannot be decompressed; a request the engine cannot answer as asked"
     ),
     401: _err("authentication_error: wrong API key"),
     403: _err("authentication_error: missing API key"),
@@ -503,6 +545,7 @@ _ERROR_RESPONSES: dict[int | str, dict] = {
     415: _err("api_usage_error: unsupported Content-Encoding"),
     422: {"description": "Validation error", "model": wire.HTTPValidationError},
     429: _err("rate_limit_error: the queue is full; see Retry-After"),
+    500: _err("internal_error: a bug in the server (bad input never gets one); the message names the request id"),
     503: _err("overloaded_error: the server is shutting down; see Retry-After"),
     504: _err("timeout_error: no answer within the server timeout"),
 }

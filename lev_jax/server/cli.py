@@ -1,7 +1,8 @@
 """`lev serve` (from the repository root also `python -m serve`): load an engine, then serve it with uvicorn.
 
-The port is bound only after the model is loaded (and warmed up), so a client that can connect can
-be answered. SIGINT/SIGTERM: stop accepting, finish what is in flight, exit.
+The port is bound only after the model is loaded, so a client that can connect can be answered; the
+warm-up then compiles common shapes in the background (/health: "warming", then "ready").
+SIGINT/SIGTERM: stop accepting, finish what is in flight, exit.
 """
 
 from __future__ import annotations
@@ -11,16 +12,11 @@ import logging
 import sys
 import time
 
+from lev_jax import runtime
 from lev_jax.server.app import API_KEYS_ENV, ServerConfig, api_keys_from_env, create_app
+from lev_jax.server.warmup import DEFAULT_BUDGET_S
 
 log = logging.getLogger("lev_jax.server")
-
-WARMUP_QUESTIONS = {
-    "noul": {"type": "noul", "instructions": "Is this a test?", "criteria": None},
-    "choice": {"type": "choice", "instructions": "Which?", "criteria": {"A": None, "B": None}},
-    "score": {"type": "score", "instructions": "How much?", "criteria": ["Low", "High"]},
-}
-
 
 # Idle keep-alive connections stay open longer than any Retry-After the server hands out
 # (scheduler.MAX_RETRY_AFTER_S): a client that waits it out reuses its connection instead of racing
@@ -70,7 +66,13 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         choices=("chat", "plain"),
         help="default: chat, or what a training run directory was trained with",
     )
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=runtime.DTYPES,
+        help="auto (default): bfloat16 with fp32 accumulation where the device multiplies bf16 natively "
+        "(GPU, TPU, CPUs with AMX / AVX512-BF16), else float32",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
@@ -115,13 +117,26 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         default=d.drain_timeout_s,
         help="on shutdown, how long to wait for requests in flight (default %(default)g)",
     )
-    p.add_argument(
+    cache = p.add_mutually_exclusive_group()
+    cache.add_argument(
         "--compilation-cache",
         metavar="DIR",
         default=None,
-        help="keep compiled device programs in DIR, so a restart skips compiling what it has seen",
+        help=f"keep compiled device programs in DIR, so a restart skips compiling what it has seen "
+        f"(default: ${runtime.CACHE_ENV}, else {runtime.default_cache_dir()})",
     )
-    p.add_argument("--no-warmup", action="store_true", help="skip the warm-up request at start-up")
+    cache.add_argument(
+        "--no-compilation-cache", action="store_true", help="compile every program afresh in this process"
+    )
+    p.add_argument(
+        "--warmup-budget",
+        type=float,
+        default=DEFAULT_BUDGET_S,
+        metavar="SECONDS",
+        help="at start, compile the programs ordinary requests hit, in the background, for at most this "
+        "long; /health says warming, then ready (default %(default)g)",
+    )
+    p.add_argument("--no-warmup", action="store_true", help="no warm-up: ready at once, every new shape compiles")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     return p
 
@@ -137,6 +152,8 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
             parser.error(f"{flag} must be at least 1")
     if args.timeout <= 0:
         parser.error("--timeout must be positive")
+    if args.warmup_budget < 0:
+        parser.error("--warmup-budget must not be negative")
     return ServerConfig(
         max_pending=args.max_pending,
         max_batch_tokens=args.max_batch_tokens,
@@ -146,6 +163,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         max_body_bytes=int(args.max_body_mb * 2**20),
         drain_timeout_s=args.drain_timeout,
         api_keys=api_keys_from_env(),
+        warmup_budget_s=0.0 if args.no_warmup else args.warmup_budget,
     )
 
 
@@ -161,23 +179,21 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
 
     import lev_jax
 
-    if args.compilation_cache:
-        import jax
-
-        jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    runtime.enable_compilation_cache("" if args.no_compilation_cache else args.compilation_cache)
     t0 = time.perf_counter()
     try:
         engine = lev_jax.load(model=args.model, prompt_style=args.prompt_style, dtype=args.dtype)
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
         print(f"{prog}: cannot load the model: {e}", file=sys.stderr)
         return 2
-    log.info("loaded %s in %.1fs", engine.model_name, time.perf_counter() - t0)
-    if not args.no_warmup:
-        t0 = time.perf_counter()
-        engine.predict_many([("Warm-up.", WARMUP_QUESTIONS)])
-        log.info("warmed up in %.1fs", time.perf_counter() - t0)
+    log.info(
+        "loaded %s in %.1fs (%s on %s; compilation cache %s)",
+        engine.model_name,
+        time.perf_counter() - t0,
+        engine.backbone.dtype,
+        engine.platform,
+        runtime.compilation_cache_dir() or "off",
+    )
     app = create_app(engine, config)
     uv = uvicorn_config(
         app, host=args.host, port=args.port, log_level=args.log_level, drain_timeout_s=config.drain_timeout_s

@@ -10,6 +10,14 @@ Admission is bounded: at most `max_pending` requests are queued or running; the 
 (`QueueFull`, answered 429 with Retry-After). A request whose client has gone, or whose deadline
 passed, is cancelled: dropped from the queue if it has not started, its result discarded if it has.
 `close()` refuses new work (`ShuttingDown`, 503) and `drain()` waits for what is in flight.
+
+Compilation never stalls ready work. With a `ready(requests)` predicate (the engine's: would running
+these requests together compile a new device program?), a request whose own programs are not compiled
+yet goes to a second lane with its own device thread, where it compiles and runs while the main lane
+keeps serving requests whose programs are ready. A batch of ready requests whose *combination* is new
+(stacked micro-batch shapes) runs its requests one by one in the main lane, and the second lane,
+when idle, compiles that combination in the background by running the same batch once more (its
+results are dropped), so the next such batch runs stacked.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ log = logging.getLogger("lev_jax.server")
 MAX_RETRY_AFTER_S = 60.0
 STOP_WAIT_S = 120.0  # how long stop() waits for a device call in flight
 RunBatch = Callable[[Sequence[tuple[Any, dict]]], Sequence[Any]]
+Ready = Callable[[Sequence[tuple[Any, dict]]], bool]
 
 
 class QueueFull(Exception):
@@ -72,6 +81,7 @@ class Scheduler:
         max_batch_rows: int = 64,
         batch_wait_s: float = 0.0,
         metrics=None,
+        ready: Ready | None = None,
     ):
         if max_pending < 1 or max_batch_tokens < 1 or max_batch_rows < 1:
             raise ValueError("max_pending, max_batch_tokens and max_batch_rows must be positive")
@@ -81,7 +91,16 @@ class Scheduler:
         self.max_batch_rows = max_batch_rows
         self.batch_wait_s = batch_wait_s
         self.metrics = metrics
+        self.ready = ready
         self._queue: collections.deque[Ticket] = collections.deque()
+        # the compile lane: requests that need new programs, and batches to compile in the background
+        self._cold: collections.deque[Ticket | list[Ticket]] = collections.deque()
+        self._cold_wake: asyncio.Event | None = None
+        self._cold_worker: asyncio.Task | None = None
+        self._cold_executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self.cold_runs = 0  # requests served in the compile lane
+        self.background_compiles = 0  # micro-batch combinations compiled in the compile lane
+        self.split_batches = 0  # batches of ready requests run one by one (their combination was new)
         self._running: list[Ticket] = []
         self._pending = 0  # queued (not cancelled) + running
         self._wake: asyncio.Event | None = None
@@ -101,14 +120,23 @@ class Scheduler:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lev-device")
         self._worker = asyncio.create_task(self._loop(), name="lev-scheduler")
         self._worker.add_done_callback(self._worker_done)
+        if self.ready is not None:
+            self._cold_wake = asyncio.Event()
+            self._cold_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lev-compile")
+            self._cold_worker = asyncio.create_task(self._cold_loop(), name="lev-compile-lane")
+            self._cold_worker.add_done_callback(self._worker_done)
 
     def _worker_done(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
             log.error("the scheduler's worker died; refusing new requests", exc_info=task.exception())
             self._closing = True
-            for t in list(self._queue):
+            for t in self._tickets():
                 if not t.future.done():
                     t.future.set_exception(ShuttingDown())
+
+    def _tickets(self) -> list[Ticket]:
+        """Every request queued in either lane."""
+        return list(self._queue) + [t for t in self._cold if isinstance(t, Ticket)]
 
     def close(self) -> None:
         """Refuse new requests from now on; what is queued or running still completes."""
@@ -133,19 +161,27 @@ class Scheduler:
     async def stop(self, wait_s: float = STOP_WAIT_S) -> None:
         """Refuse and cancel what is queued; wait up to `wait_s` for a device call in flight."""
         self._closing = True
-        if self._worker is not None:
-            self._worker.cancel()
-            try:
-                await self._worker
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._worker = None
-        for t in list(self._queue):
+        for attr in ("_worker", "_cold_worker"):
+            worker = getattr(self, attr)
+            if worker is not None:
+                worker.cancel()
+                try:
+                    await worker
+                except (asyncio.CancelledError, Exception):
+                    pass
+                setattr(self, attr, None)
+        for t in self._tickets():
             if not t.future.done():
                 t.future.set_exception(ShuttingDown())
         self._queue.clear()
-        if self._executor is not None:
-            executor, self._executor = self._executor, None
+        self._cold.clear()
+        await self._shutdown_executor("_cold_executor", wait_s)
+        await self._shutdown_executor("_executor", wait_s)
+
+    async def _shutdown_executor(self, attr: str, wait_s: float) -> None:
+        if getattr(self, attr) is not None:
+            executor = getattr(self, attr)
+            setattr(self, attr, None)
             if wait_s <= 0:
                 executor.shutdown(wait=False, cancel_futures=True)
                 return
@@ -167,7 +203,7 @@ class Scheduler:
 
     @property
     def queued(self) -> int:
-        return sum(1 for t in self._queue if not t.cancelled)
+        return sum(1 for t in self._tickets() if not t.cancelled)
 
     @property
     def running(self) -> int:
@@ -216,12 +252,19 @@ class Scheduler:
             self.metrics.set_queue(self.queued, self._pending)
 
     def _take(self) -> list[Ticket]:
+        """The next batch for the main lane: the oldest queued requests within the token and row
+        budgets; a request whose programs are not compiled yet moves to the compile lane instead."""
         batch: list[Ticket] = []
         tokens = 0
         while self._queue and len(batch) < self.max_batch_rows:
             t = self._queue[0]
             if t.cancelled:
                 self._queue.popleft()
+                continue
+            if self.ready is not None and not self._is_ready([t]):
+                self._queue.popleft()
+                self._cold.append(t)
+                self._cold_wake.set()
                 continue
             if batch and tokens + t.tokens > self.max_batch_tokens:
                 break
@@ -230,8 +273,14 @@ class Scheduler:
             tokens += t.tokens
         return batch
 
+    def _is_ready(self, tickets: list[Ticket]) -> bool:
+        try:
+            return bool(self.ready([(t.state, t.questions) for t in tickets]))
+        except Exception:  # noqa: BLE001 — a predicate that fails must not lose requests: run them
+            log.exception("ready() failed; running the requests as if ready")
+            return True
+
     async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             if not any(not t.cancelled for t in self._queue):
                 self._wake.clear()
@@ -242,34 +291,83 @@ class Scheduler:
             batch = self._take()
             if not batch:
                 continue
-            now = time.perf_counter()
-            for t in batch:
-                t.started = now
-            self._running = batch
-            self._gauge()
+            one_by_one = False
+            if len(batch) > 1 and self.ready is not None and not self._is_ready(batch):
+                # each request is ready but their stacked shapes are not: serve them one by one now,
+                # and have the compile lane compile the combination for next time (once at a time)
+                one_by_one = True
+                self.split_batches += 1
+                if not any(isinstance(x, list) for x in self._cold):
+                    self._cold.append(list(batch))
+                    self._cold_wake.set()
+            await self._run(batch, self._executor, one_by_one=one_by_one)
+
+    async def _cold_loop(self) -> None:
+        """The compile lane: requests whose programs are new, one at a time, then background compiles
+        of micro-batch combinations (lowest priority)."""
+        while True:
+            job = next((x for x in self._cold if isinstance(x, Ticket)), None)
+            if job is None:
+                job = next(iter(self._cold), None)
+            if job is None:
+                self._cold_wake.clear()
+                await self._cold_wake.wait()
+                continue
+            self._cold.remove(job)
+            if isinstance(job, Ticket):
+                if not job.cancelled and self._is_ready([job]):
+                    # an earlier request compiled its programs meanwhile: back to the main lane,
+                    # ahead of younger requests
+                    self._queue.appendleft(job)
+                    self._wake.set()
+                elif not job.cancelled:
+                    self.cold_runs += 1
+                    await self._run([job], self._cold_executor)
+                continue
+            requests = [(t.state, t.questions) for t in job]
+            if self._is_ready(job):
+                continue
+            loop = asyncio.get_running_loop()
             try:
-                results = await loop.run_in_executor(
-                    self._executor, self._call, [(t.state, t.questions) for t in batch]
-                )
-            except asyncio.CancelledError:
-                for t in batch:
-                    if not t.future.done():
-                        t.future.set_exception(ShuttingDown())
-                raise
-            took = time.perf_counter() - now
-            self.batches += 1
-            self._batch_s = took if self.batches == 1 else 0.8 * self._batch_s + 0.2 * took
-            self._batch_rows = len(batch) if self.batches == 1 else 0.8 * self._batch_rows + 0.2 * len(batch)
-            if self.metrics is not None:
-                self.metrics.observe_batch(len(batch), sum(t.tokens for t in batch), took)
-            self._running = []
-            for t, r in zip(batch, results, strict=True):
+                await loop.run_in_executor(self._cold_executor, self._call, requests)
+                self.background_compiles += 1
+            except Exception:  # noqa: BLE001 — a compile job's failure affects nobody's answer
+                log.exception("background compile of a micro-batch failed")
+
+    async def _run(self, batch: list[Ticket], executor, *, one_by_one: bool = False) -> None:
+        """Run a batch on `executor` and resolve each request's future with its own result."""
+        loop = asyncio.get_running_loop()
+        now = time.perf_counter()
+        for t in batch:
+            t.started = now
+        self._running = self._running + batch
+        self._gauge()
+        requests = [(t.state, t.questions) for t in batch]
+        try:
+            call = self._call_each if one_by_one else self._call
+            results = await loop.run_in_executor(executor, call, requests)
+        except asyncio.CancelledError:
+            for t in batch:
                 if not t.future.done():
-                    if isinstance(r, BaseException):
-                        t.future.set_exception(r)
-                    else:
-                        t.future.set_result(r)
-                self._release(t)  # a cancelled running request held its slot until now, too
+                    t.future.set_exception(ShuttingDown())
+            raise
+        took = time.perf_counter() - now
+        self.batches += 1
+        self._batch_s = took if self.batches == 1 else 0.8 * self._batch_s + 0.2 * took
+        self._batch_rows = len(batch) if self.batches == 1 else 0.8 * self._batch_rows + 0.2 * len(batch)
+        if self.metrics is not None:
+            self.metrics.observe_batch(len(batch), sum(t.tokens for t in batch), took)
+        self._running = [t for t in self._running if t not in batch]
+        for t, r in zip(batch, results, strict=True):
+            if not t.future.done():
+                if isinstance(r, BaseException):
+                    t.future.set_exception(r)
+                else:
+                    t.future.set_result(r)
+            self._release(t)  # a cancelled running request held its slot until now, too
+
+    def _call_each(self, requests: list[tuple[Any, dict]]) -> list[Any]:
+        return [self._call([r])[0] for r in requests]
 
     def _call(self, requests: list[tuple[Any, dict]]) -> list[Any]:
         """run_batch, made total: a whole-batch failure (or a wrong number of results) is retried one

@@ -45,11 +45,7 @@ def wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None)
 def compile_cache_env(cache_dir: str | os.PathLike) -> dict[str, str]:
     """Environment that makes JAX keep compiled programs on disk, so a second server (or a rerun)
     skips compilation it has seen."""
-    return {
-        "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-    }
+    return {"LEV_JAX_CACHE": str(cache_dir)}  # lev_jax.runtime
 
 
 class ServerProcess:
@@ -69,6 +65,10 @@ class ServerProcess:
     ):
         self.port = free_port()
         self.url = f"http://{LOOPBACK}:{self.port}"
+        if not any(a in ("--no-warmup", "--warmup-budget") for a in args):
+            # tests meet the server without its background warm-up (minutes of compiling on 2 cores
+            # next to the test's own requests) unless they ask for it
+            args = [*args, "--no-warmup"]
         self.args = [sys.executable, "-m", "lev_jax.cli", "serve", "--host", LOOPBACK, "--port", str(self.port), *args]
         self.env = {**os.environ, **(env or {})}
         self.env.pop("LEV_API_KEYS", None)

@@ -25,7 +25,6 @@ EXIT_BAD_INPUT = 2
 # (an embedded-SmolLM2 LoRA step: 29 GB of temporaries instead of 5.5 GB with it off) and made the
 # Qwen3.5 gradient hang more often on this 2-core machine; it is a CPU flag, ignored elsewhere.
 XLA_DEFAULTS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",)
-CACHE_ENV = "LEV_JAX_CACHE"  # persistent compilation cache directory ("" disables it)
 DISTRIBUTED_ENV = "LEV_JAX_DISTRIBUTED"  # "1": jax.distributed.initialize() first (multi-host)
 # keys a resumed run may change (everything else changes what it trains: use --fresh)
 RESUMABLE = frozenset(
@@ -72,12 +71,9 @@ def setup_runtime() -> None:
     os.environ["XLA_FLAGS"] = flags
     import jax
 
-    cache = os.environ.get(CACHE_ENV)
-    if cache is None:
-        cache = str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lev_jax" / "xla")
-    if cache:
-        jax.config.update("jax_compilation_cache_dir", cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    from lev_jax import runtime
+
+    runtime.enable_compilation_cache(min_compile_s=1.0)  # $LEV_JAX_CACHE or the per-user directory
     if os.environ.get(DISTRIBUTED_ENV) == "1":
         jax.distributed.initialize()
 

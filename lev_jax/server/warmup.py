@@ -1,0 +1,144 @@
+"""Start-up warm-up: compile, in the background, the device programs ordinary requests hit.
+
+A program is compiled the first time a shape bucket is used (lev_jax/buckets.py); on a 2-core CPU
+each costs about a second, and a first request needs several (its state's prefill, its rows, and
+the stacked shapes of concurrent requests). The warm-up runs a grid of representative requests
+through the engine while the server already answers (`/health` says "warming", then "ready"):
+states at the common prefix sizes x the common question mixes (a yes/no, a small choice, a
+score, and all three together), single and as concurrent micro-batches, smallest first, within a
+time budget. With the persistent compilation cache (lev_jax/runtime.py) a restarted server loads
+these programs from disk instead of compiling them, so its warm-up takes a fraction of the first.
+
+The server's scheduler keeps requests that still need a new program out of the way of those whose
+programs are ready (lev_jax/server/scheduler.py), so warm-up order only decides what is fast first.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+log = logging.getLogger("lev_jax.server")
+
+# Target state sizes in prompt tokens: a chat message, a short ticket, a ~1 KB document, a ~2 KB one.
+STATE_TOKENS = (40, 120, 250, 560)
+NOUL = {"type": "noul", "instructions": "Is the customer asking for money back?", "criteria": None}
+CHOICE = {
+    "type": "choice",
+    "instructions": "Which team should handle this ticket?",
+    "criteria": {
+        "Billing": "Payments, invoices, refunds",
+        "Technical": "Bugs, outages, integrations",
+        "Sales": "Pricing, upgrades, new contracts",
+        "Other": None,
+    },
+}
+SCORE = {"type": "score", "instructions": "How urgent is this ticket?", "criteria": ["low", "medium", "high"]}
+MIXES = ({"noul": NOUL}, {"choice": CHOICE}, {"score": SCORE}, {"noul": NOUL, "choice": CHOICE, "score": SCORE})
+CONCURRENT = (2, 4, 8)  # micro-batch sizes warmed for the all-three mix
+DEFAULT_BUDGET_S = 120.0
+WORDS = "the customer wrote about an order a refund and a late delivery again".split()
+
+
+def state_of(engine, tokens: int) -> str:
+    """A state text whose prompt prefix is about `tokens` tokens long (binary search over words)."""
+    lo, hi = 1, max(2, tokens * 2)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        text = " ".join(WORDS[i % len(WORDS)] for i in range(mid))
+        if len(engine.plan(text, {"noul": NOUL}).prefix_ids) < tokens:
+            lo = mid + 1
+        else:
+            hi = mid
+    return " ".join(WORDS[i % len(WORDS)] for i in range(lo))
+
+
+def default_batches(engine) -> list[list[tuple]]:
+    """The warm-up grid as micro-batches of (state, questions), in the order they run."""
+    states = [state_of(engine, n) for n in STATE_TOKENS]
+    batches = [[(state, mix)] for state in states for mix in MIXES]
+    everything = MIXES[-1]
+    for n in CONCURRENT:
+        for state in states:
+            batches.append([(f"{state} ({i})", everything) for i in range(n)])
+    return batches
+
+
+class Warmup:
+    """Runs the warm-up grid in a background thread; `info()` is what /health reports."""
+
+    def __init__(self, engine, budget_s: float = DEFAULT_BUDGET_S, batches: list[list[tuple]] | None = None):
+        self.engine = engine
+        self.budget_s = budget_s
+        self.batches = batches
+        self.planned = 0 if batches is None else len(batches)
+        self.done = 0
+        self.failed = 0
+        self.seconds = 0.0
+        self.state = "warming" if budget_s > 0 else "ready"
+        self.stopped_early = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    def start(self) -> None:
+        if self.state == "ready" or self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self.run, name="lev-warmup", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def run(self) -> None:
+        t0 = time.perf_counter()
+        compiled0 = self._compiled()
+        try:
+            batches = self.batches if self.batches is not None else default_batches(self.engine)
+            self.planned = len(batches)
+            for batch in batches:
+                if self._stop.is_set() or time.perf_counter() - t0 > self.budget_s:
+                    self.stopped_early = self.done < self.planned
+                    break
+                results = self.engine.predict_many(batch)
+                self.failed += sum(isinstance(r, Exception) for r in results)
+                self.done += 1
+                self.seconds = time.perf_counter() - t0
+        except Exception:  # noqa: BLE001 — a failed warm-up must not take the server down
+            log.exception("warm-up failed after %d of %d batches", self.done, self.planned)
+            self.failed += 1
+        self.seconds = time.perf_counter() - t0
+        self.state = "ready"
+        log.info(
+            "warm-up: %d of %d batches in %.1fs, %s programs compiled%s",
+            self.done,
+            self.planned,
+            self.seconds,
+            self._compiled() - compiled0 if compiled0 is not None else "?",
+            " (budget reached)" if self.stopped_early else "",
+        )
+
+    def _compiled(self):
+        try:
+            return int(self.engine.info().get("compiled_programs"))
+        except Exception:  # noqa: BLE001 — an engine without a program count
+            return None
+
+    def info(self) -> dict:
+        return {
+            "state": self.state,
+            "batches_done": self.done,
+            "batches_planned": self.planned,
+            "failed": self.failed,
+            "seconds": round(self.seconds if self.state == "ready" else self.seconds, 3),
+            "budget_s": self.budget_s,
+            "stopped_early": self.stopped_early,
+        }

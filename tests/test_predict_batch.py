@@ -1,0 +1,200 @@
+"""A micro-batch of several requests (stacked prefixes, `Executor.read` with several entries): question
+headers as cache segments and the anchored softmax, as for one request; every request's answers equal
+the same request alone and independent full forwards; `batch_programs` names exactly the programs a
+micro-batch compiles."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lev_jax
+from lev_jax.models import layers
+from lev_jax.readout import logits as logits_lib
+from lev_jax.testing import tiny_backbone
+
+STATE = {"customer": "Ann Lee", "message": "My parcel never arrived and I was charged twice. Fix it now!", "vip": True}
+
+
+def _questions(variant: str = "") -> dict:
+    return {
+        f"intent{variant}": {
+            "type": "choice",
+            "instructions": f"What does the customer want?{variant}",
+            "criteria": {"refund": "money back", "delivery": "a late or missing parcel", "other": None},
+        },
+        f"urgency{variant}": {
+            "type": "score",
+            "instructions": f"How urgent is this ticket?{variant}",
+            "criteria": ["not urgent", "somewhat urgent", "urgent", "critical"],
+        },
+        f"angry{variant}": {"type": "noul", "instructions": f"Is the customer angry?{variant}"},
+    }
+
+
+def _many_questions(n: int) -> dict:
+    """n variants of every question: enough shared question headers (the text before the options,
+    common to both option orders) that they pay as cache segments."""
+    return {k: v for i in range(n) for k, v in _questions(f" (variant {i})").items()}
+
+
+# states of one length (each request alone and the reference forwards then share their programs); the
+# last request alone has too few questions for segments to pay, in the micro-batch its headers join
+REQUESTS = [
+    (STATE, _many_questions(2)),
+    ({**STATE, "message": "The app crashes whenever I open my settings page. Please fix it!"}, _many_questions(2)),
+    ({**STATE, "customer": "Bob Ray"}, _questions(" (variant 0)")),
+]
+
+
+def _assert_close(a: dict, b: dict, tol: float = 1e-5) -> None:
+    assert a.keys() == b.keys()
+    for qid in a:
+        if a[qid]["type"] == "noul":
+            assert abs(a[qid]["noul"] - b[qid]["noul"]) <= tol, qid
+            continue
+        pa, pb = a[qid]["probabilities"], b[qid]["probabilities"]
+        assert pa.keys() == pb.keys() and max(abs(pa[k] - pb[k]) for k in pa) <= tol, qid
+
+
+def _check_well_formed(answers: dict) -> None:
+    for a in answers.values():
+        p = np.array([a["noul"]] if a["type"] == "noul" else list(a["probabilities"].values()))
+        assert np.isfinite(p).all() and (p > 0).all() and (p < 1).all()
+
+
+def _spy_segments(engine, monkeypatch) -> list:
+    """The `prefix_of_header` of every `compute_segments` call (None: one request's own prefix)."""
+    seen, compute = [], engine.executor.compute_segments
+
+    def spy(cache, headers, prefix_of_header=None):
+        seen.append(prefix_of_header)
+        return compute(cache, headers, prefix_of_header)
+
+    monkeypatch.setattr(engine.executor, "compute_segments", spy)
+    return seen
+
+
+def _spy_anchored(monkeypatch) -> list:
+    """(program, anchored) of every segment and segment-row call."""
+    seen = []
+    for name in ("compute_segments", "read_segment_rows"):
+        fn = getattr(logits_lib, name)
+
+        def spy(*args, _fn=fn, _name=name, anchored=True, **kwargs):
+            seen.append((_name, anchored))
+            return _fn(*args, anchored=anchored, **kwargs)
+
+        monkeypatch.setattr(logits_lib, name, spy)
+    return seen
+
+
+@pytest.mark.parametrize("family,tol", [("llama", 1e-5), ("qwen3_5", 5e-5)])
+def test_a_micro_batch_with_header_segments_equals_each_request_alone(family, tol, monkeypatch):
+    """Headers of all requests computed as segments, each after its own prefix of the stacked cache,
+    in one call; the rows read them with the anchored softmax. (Tiny Qwen3.5 at 5e-5, as in
+    test_predict.py: its fp32 rounding moves with where a sequence is split into cached pieces.)"""
+    bb = tiny_backbone(family, seed=1)
+    engine = lev_jax.Engine(bb, prefix_cache_bytes=0)
+    segments, anchored = _spy_segments(engine, monkeypatch), _spy_anchored(monkeypatch)
+    batch = engine.predict_many(REQUESTS)
+    assert len(segments) == 1 and sorted(set(segments[0])) == [0, 1, 2]  # every request's headers, one pass
+    assert anchored and all(a for _, a in anchored) and engine.exact_reruns == 0
+    monkeypatch.undo()
+    for (state, questions), answers in zip(REQUESTS, batch):
+        _check_well_formed(answers)
+        _assert_close(answers, lev_jax.Engine(bb, prefix_cache_bytes=0).predict(state, questions), tol=tol)
+        _assert_close(answers, engine.predict(state, questions, reference=True), tol=tol)
+
+
+def test_segments_in_a_micro_batch_only_where_they_pay():
+    engine = lev_jax.Engine(tiny_backbone("llama", seed=1))
+    plans = [engine.plan(s, _questions()) for s in ("first state", "second state")]
+    keys = engine.executor.batch_programs([(p.prefix_ids, p.rows) for p in plans])
+    assert keys and not any("segment" in k[0] for k in keys)
+    plans = [engine.plan(s, _many_questions(2)) for s in ("first state", "second state")]
+    keys = engine.executor.batch_programs([(p.prefix_ids, p.rows) for p in plans])
+    assert any(k[0] == "stacked-segment" for k in keys)
+
+
+def test_stacked_rows_the_anchored_softmax_cannot_serve_are_rerun_exactly(monkeypatch):
+    """Attention logits in the thousands (q and k projections scaled up, as in test_predict.py): the
+    anchored softmax overflows on some stacked segment and row calls; those are rerun exact and the
+    answers still equal independent full forwards."""
+    bb = tiny_backbone("llama", seed=1)
+    scale = lambda path, x: x * 12.0 if any(getattr(p, "key", None) in ("q_proj", "k_proj") for p in path) else x
+    bb.params = jax.tree_util.tree_map_with_path(scale, bb.params)
+    engine = lev_jax.Engine(bb)
+    segments, anchored = _spy_segments(engine, monkeypatch), _spy_anchored(monkeypatch)
+    batch = engine.predict_many(REQUESTS)
+    assert segments and all(s is not None for s in segments)
+    reruns = [name for name, a in anchored if not a]
+    assert engine.exact_reruns == len(reruns) > 0
+    monkeypatch.undo()
+    for (state, questions), answers in zip(REQUESTS, batch):
+        _check_well_formed(answers)
+        _assert_close(answers, engine.predict(state, questions, reference=True), tol=1e-4)
+
+
+def _fresh_programs(family):
+    """An engine whose config no other test uses: its jitted programs start uncompiled."""
+    bb = tiny_backbone(family, seed=1)
+    bb.config = dataclasses.replace(bb.config, rope_theta=bb.config.rope_theta + 0.25)
+    return lev_jax.Engine(bb, prefix_cache_bytes=0)
+
+
+def test_batch_programs_are_exactly_the_programs_a_micro_batch_compiles():
+    engine = _fresh_programs("llama")
+    long_choice = {
+        "type": "choice",
+        "instructions": "Which queue?",
+        "criteria": {f"Queue {i:03d}": f"Tickets routed to queue {i}" for i in range(1, 37)},
+    }
+    requests = [*REQUESTS, ("one more state", {"queue": long_choice, **_many_questions(1)})]
+    plans = [engine.plan(*r) for r in requests]
+    assert any(len(r.tokens) > 512 for r in plans[-1].rows)  # a long row too (read chunk by chunk)
+    keys = engine.executor.batch_programs([(p.prefix_ids, p.rows) for p in plans])
+    assert {k[0] for k in keys} >= {"prefill", "stacked-segment", "stacked", "chunk", "tail"}
+    before = engine.compiled_programs
+    engine.predict_many(requests)
+    assert engine.compiled_programs - before == len(keys)
+    before = engine.compiled_programs
+    engine.predict_many(requests)  # the same micro-batch again: nothing new
+    shuffled = requests[::-1]  # other prefix indices, the same shapes
+    assert engine.executor.batch_programs([(p.prefix_ids, p.rows) for p in plans[::-1]]) == keys
+    engine.predict_many(shuffled)
+    assert engine.compiled_programs == before
+    # one request alone: `programs`, exactly (its prefill was compiled with the micro-batch)
+    state, questions = REQUESTS[0]
+    single = engine.programs(state, questions)
+    assert any(k[0] == "segment" for k in single)
+    before = engine.compiled_programs
+    engine.predict(state, questions)
+    assert engine.compiled_programs - before == len(single) - 1
+
+
+def test_attend_reads_a_stacked_cache_by_row_index():
+    """`cache_rows_B`: each query row reads its own row of a stacked cache, in place; exact and
+    anchored both equal attention over per-row copies, and the anchored one fails loudly (NaN) where
+    a cached score dwarfs the row's own ones."""
+    B, T, H, K, D, S, N = 5, 6, 4, 2, 16, 20, 3
+    ks = jax.random.split(jax.random.key(0), 5)
+    q = jax.random.normal(ks[0], (B, T, H, D))
+    k = jax.random.normal(ks[1], (B, T, K, D))
+    v = jax.random.normal(ks[2], (B, T, K, D))
+    ck = jax.random.normal(ks[3], (N, K, D, S))
+    cv = jax.random.normal(ks[4], (N, K, S, D))
+    valid = jnp.arange(T)[None, :] < jnp.array([6, 6, 3, 1, 0])[:, None]
+    cache_valid = jnp.arange(S)[None, :] < jnp.array([20, 13, 7])[:, None]  # prefixes of different lengths
+    rows = jnp.array([2, 0, 1, 0, 2], jnp.int32)
+    fn = jax.jit(layers.attend, static_argnames=("scale", "anchored"))
+    copies = fn(q, k, v, valid, ck[rows], cv[rows], cache_valid[rows], scale=D**-0.5, anchored=False)
+    real = np.asarray(valid)
+    for anchored in (False, True):
+        got = fn(q, k, v, valid, ck, cv, cache_valid, scale=D**-0.5, anchored=anchored, cache_rows_B=rows)
+        assert np.isfinite(np.asarray(got)).all()
+        np.testing.assert_allclose(np.asarray(got)[real], np.asarray(copies)[real], atol=2e-6)
+    loud = np.asarray(fn(q, k, v, valid, 60.0 * ck, cv, cache_valid, scale=1.0, anchored=True, cache_rows_B=rows))
+    assert (~np.isfinite(loud).all(axis=(2, 3)) & real).any()

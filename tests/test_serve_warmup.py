@@ -1,0 +1,229 @@
+"""No compilation on the request path: the compile lane keeps requests that need new programs out of
+the way of ready ones, the engine knows which programs it has run, the background warm-up reports
+warming -> ready on /health, and the runtime's compilation cache and auto dtype."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+import lev_jax
+from lev_jax import runtime
+from lev_jax.server import ServerConfig, create_app
+from lev_jax.server.scheduler import Scheduler
+from lev_jax.server.testing import ThreadServer
+from lev_jax.server.warmup import Warmup
+from lev_jax.testing import tiny_backbone
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Device:
+    """run_batch over string requests: "cold..." ones take `compile_s` the first time their name is
+    run (a compile), everything else is instant; `ready` knows what has run."""
+
+    def __init__(self, compile_s: float = 1.0):
+        self.compile_s = compile_s
+        self.compiled: set = set()
+        self.finished: list[str] = []
+        self.lock = threading.Lock()
+
+    def key(self, requests) -> frozenset:
+        return frozenset(s for s, _ in requests) if len(requests) > 1 else frozenset([requests[0][0]])
+
+    def ready(self, requests) -> bool:
+        names = [s for s, _ in requests]
+        singles_ok = all(not n.startswith("cold") or frozenset([n]) in self.compiled for n in names)
+        return singles_ok and (len(requests) == 1 or self.key(requests) in self.compiled)
+
+    def __call__(self, requests):
+        key = self.key(requests)
+        if key not in self.compiled and (len(requests) > 1 or requests[0][0].startswith("cold")):
+            time.sleep(self.compile_s)
+        with self.lock:
+            self.compiled.add(key)
+            self.finished.extend(s for s, _ in requests)
+        return [{"echo": s} for s, _ in requests]
+
+
+def test_a_request_that_compiles_does_not_stall_ready_ones():
+    async def main():
+        dev = Device(compile_s=1.5)
+        s = Scheduler(dev, ready=dev.ready)
+        await s.start()
+        t0 = time.perf_counter()
+        cold = s.submit("cold-a", {}, 10)
+        await asyncio.sleep(0.05)  # the cold one is compiling in its lane
+        warm = s.submit("warm-b", {}, 10)
+        assert (await warm.future) == {"echo": "warm-b"}
+        warm_s = time.perf_counter() - t0
+        assert not cold.future.done()  # answered before the compiling request finished
+        assert (await cold.future) == {"echo": "cold-a"}
+        assert warm_s < 1.0 and s.cold_runs == 1
+        # the same shape again is ready now: the main lane serves it
+        again = s.submit("cold-a", {}, 10)
+        assert (await again.future) == {"echo": "cold-a"} and s.cold_runs == 1
+        await s.drain(5)
+
+    asyncio.run(main())
+
+
+def test_a_new_combination_of_ready_requests_runs_one_by_one_and_compiles_in_the_background():
+    async def main():
+        dev = Device(compile_s=0.5)
+        s = Scheduler(dev, ready=dev.ready, batch_wait_s=0.05)
+        await s.start()
+        tickets = [s.submit(f"r{i}", {}, 10) for i in range(3)]
+        assert [await t.future for t in tickets] == [{"echo": f"r{i}"} for i in range(3)]
+        assert s.split_batches == 1
+        for _ in range(100):  # the combination compiles in the compile lane
+            if s.background_compiles:
+                break
+            await asyncio.sleep(0.05)
+        assert s.background_compiles == 1 and dev.ready([(f"r{i}", {}) for i in range(3)])
+        tickets = [s.submit(f"r{i}", {}, 10) for i in range(3)]
+        await asyncio.gather(*(t.future for t in tickets))
+        assert s.split_batches == 1  # now it ran stacked
+        await s.drain(5)
+
+    asyncio.run(main())
+
+
+def test_a_failing_ready_predicate_loses_no_request():
+    def broken(_requests):
+        raise RuntimeError("boom")
+
+    async def main():
+        dev = Device()
+        s = Scheduler(dev, ready=broken)
+        await s.start()
+        t = s.submit("x", {}, 1)
+        assert (await t.future) == {"echo": "x"}
+        await s.drain(5)
+
+    asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return lev_jax.load(tiny_backbone("llama", seed=3), calibration=None)
+
+
+def test_the_engine_knows_what_compiles(engine):
+    q = {"n": {"type": "noul", "instructions": "Is this urgent?"}}
+    a = ("A state the engine has never seen, about an order.", q)
+    b = ("A state the engine has never seen, about a refund.", q)
+    assert not engine.ready([a])
+    engine.predict_many([a])
+    assert engine.ready([a]) and engine.ready([b])  # same buckets: nothing new to compile
+    assert not engine.ready([a, b])  # the stacked micro-batch shape is new
+    engine.predict_many([a, b])
+    assert engine.ready([b, a])
+    longer = ("word " * 200, q)
+    assert not engine.ready([longer])  # a new prefix bucket
+
+
+def test_warmup_reports_warming_then_ready_and_warms_what_it_ran(engine):
+    q = {"c": {"type": "choice", "instructions": "Which team?", "criteria": {"A": None, "B": None, "C": None}}}
+    batches = [[("Warm this state, please.", q)], [("One", q), ("Two", q)]]
+    assert not engine.ready(batches[0]) or not engine.ready(batches[1])
+    cfg = ServerConfig(warmup_budget_s=60)
+    app = create_app(engine, cfg)
+    app.state.warmup.batches = batches  # a small grid (the default one is minutes of compiling)
+    with ThreadServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        states = set()
+        for _ in range(600):
+            h = client.get("/health").json()
+            states.add(h["status"])
+            if h["status"] == "ready":
+                break
+            time.sleep(0.05)
+        assert h["status"] == "ready" and "warmup" in h
+        assert h["warmup"]["batches_done"] == 2 and h["warmup"]["batches_planned"] == 2
+        assert h["warmup"]["failed"] == 0 and not h["warmup"]["stopped_early"]
+        assert h["dtype"] == "float32" and "compile_lane" in h
+    assert all(engine.ready(b) for b in batches)
+
+
+def test_a_zero_budget_is_ready_at_once(engine):
+    w = Warmup(engine, 0)
+    w.start()
+    assert w.ready and w.info()["batches_done"] == 0
+
+
+def test_the_default_grid_spans_the_common_state_sizes(engine):
+    from lev_jax.server import warmup
+
+    batches = warmup.default_batches(engine)
+    prefixes = sorted({len(engine.plan(s, q).prefix_ids) for batch in batches for s, q in batch[:1]})
+    assert len(prefixes) >= len(warmup.STATE_TOKENS)
+    for target in warmup.STATE_TOKENS:  # each target size is met within a few tokens
+        assert min(abs(p - target) for p in prefixes) <= 8
+    assert max(len(b) for b in batches) == max(warmup.CONCURRENT)
+
+
+# -- runtime -------------------------------------------------------------------------------------------
+
+
+def test_auto_dtype_follows_native_bf16(monkeypatch):
+    monkeypatch.delenv(runtime.DTYPE_ENV, raising=False)
+    assert runtime.resolve_dtype("auto", "cpu", {"avx2", "fma"}) == "float32"
+    assert runtime.resolve_dtype("auto", "cpu", {"avx512f", "avx512_bf16"}) == "bfloat16"
+    assert runtime.resolve_dtype("auto", "cpu", {"amx_bf16", "amx_tile"}) == "bfloat16"
+    assert runtime.resolve_dtype("auto", "gpu", set()) == "bfloat16"
+    assert runtime.resolve_dtype("float32", "gpu", set()) == "float32"
+    monkeypatch.setenv(runtime.DTYPE_ENV, "float32")
+    assert runtime.resolve_dtype("auto", "gpu", set()) == "float32"
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        runtime.resolve_dtype("float16")
+
+
+def test_cache_dir_setting(monkeypatch, tmp_path):
+    monkeypatch.delenv(runtime.CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert runtime.cache_dir_setting() == str(tmp_path / "lev_jax" / "xla")
+    monkeypatch.setenv(runtime.CACHE_ENV, str(tmp_path / "mine"))
+    assert runtime.cache_dir_setting() == str(tmp_path / "mine")
+    monkeypatch.setenv(runtime.CACHE_ENV, "")
+    assert runtime.cache_dir_setting() == ""  # off
+    assert runtime.cache_dir_setting("/explicit") == "/explicit"
+
+
+PROGRAM = textwrap.dedent(
+    """
+    import jax, lev_jax
+    from lev_jax import runtime
+    from lev_jax.testing import tiny_backbone
+    hits = []
+    jax.monitoring.register_event_listener(lambda e, **kw: hits.append(e) if e.endswith("cache_hits") else None)
+    engine = lev_jax.load(tiny_backbone("llama"), calibration=None)
+    engine.predict("A state.", {"n": {"type": "noul", "instructions": "Yes?"}})
+    print("CACHE", runtime.compilation_cache_dir(), "HITS", len(hits))
+    """
+)
+
+
+def test_a_new_process_reuses_compiled_programs_from_the_default_cache(tmp_path):
+    """The persistent cache is on by default (here: XDG_CACHE_HOME moved into tmp_path): a second
+    process loads the programs the first one compiled."""
+    env = {k: v for k, v in os.environ.items() if k != runtime.CACHE_ENV}
+    env["XDG_CACHE_HOME"] = str(tmp_path)
+    runs = [
+        subprocess.run([sys.executable, "-c", PROGRAM], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+        for _ in range(2)
+    ]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-2000:]
+    first, second = (r.stdout.split() for r in runs)
+    assert first[1] == str(tmp_path / "lev_jax" / "xla") and int(first[3]) == 0
+    assert int(second[3]) >= 3  # prefill, rows, ...: loaded, not compiled
+    assert any((tmp_path / "lev_jax" / "xla").iterdir())

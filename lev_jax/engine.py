@@ -22,6 +22,7 @@ from lev_jax.backbone import Backbone, compiled_programs
 from lev_jax.calibrate import Calibration
 from lev_jax.errors import RequestError
 from lev_jax.readout import logits as logits_lib
+from lev_jax.readout import shapes
 
 
 @runtime_checkable
@@ -75,6 +76,9 @@ class Engine:
         self.supports_images = False
         # program keys (Executor.batch_programs) this process has run: what `ready` knows compiles nothing
         self.compiled_keys: set[tuple] = set()
+        # called with the shape (readout.shapes.signature) of each batch that compiled a program: a
+        # server records them so that its next start compiles them before it reports ready
+        self.on_compile = None
 
     prompt_style = property(lambda self: self.planner.prompt_style)
     layout = property(lambda self: self.planner.layout)
@@ -106,8 +110,25 @@ class Engine:
             self.compiled_keys.clear()  # every program was freed: each recompiles on next use
         keys = self.batch_programs(plans) if reader is None else set()
         out = readout.run(plans, reader or self.executor.read, usages, self.planner, calibration or self.calibration)
+        if not keys <= self.compiled_keys and self.on_compile is not None:
+            self.on_compile(shapes.signature([(p.prefix_ids, p.rows) for p in plans]))
         self.compiled_keys |= keys
         return out
+
+    def warm(self, signature: dict) -> int:
+        """Run a batch of the recorded shape (made-up tokens, `readout.shapes`), compiling what it
+        needs; returns how many of its programs were new. ValueError for a shape this model cannot
+        run."""
+        entries = shapes.synthesize(signature, self.backbone.config.vocab_size)
+        keys = self.executor.batch_programs(entries)
+        new = len(keys - self.compiled_keys)
+        if new:
+            try:
+                self.executor.read(entries, [readout.Usage() for _ in entries])
+            except RequestError as e:  # a recorded shape past this configuration's limits
+                raise ValueError(str(e)) from e
+        self.compiled_keys |= keys
+        return new
 
     def predict(self, state, questions, *, reference: bool = False, calibration: Calibration | None = None) -> dict:
         """Answers in the Jev shapes. `reference=True` runs one independent full forward per row

@@ -5,6 +5,7 @@ warming -> ready on /health, and the runtime's compilation cache and auto dtype.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -18,10 +19,11 @@ import pytest
 
 import lev_jax
 from lev_jax import runtime
+from lev_jax.readout import shapes
 from lev_jax.server import ServerConfig, create_app
 from lev_jax.server.scheduler import Scheduler
 from lev_jax.server.testing import ThreadServer
-from lev_jax.server.warmup import Warmup
+from lev_jax.server.warmup import ShapeLog, Warmup
 from lev_jax.testing import tiny_backbone
 
 REPO = Path(__file__).resolve().parents[1]
@@ -169,6 +171,75 @@ def test_the_default_grid_spans_the_common_state_sizes(engine):
     for target in warmup.STATE_TOKENS:  # each target size is met within a few tokens
         assert min(abs(p - target) for p in prefixes) <= 8
     assert max(len(b) for b in batches) == max(warmup.CONCURRENT)
+
+
+TEAMS = {"type": "choice", "instructions": "Which team?", "criteria": {"Billing": "money", "Tech": None, "Sales": None}}
+URGENT = {"type": "noul", "instructions": "Is this urgent?"}
+LEVEL = {"type": "score", "instructions": "How angry?", "criteria": ["calm", "annoyed", "furious"]}
+
+
+@pytest.mark.parametrize("layout", ["state_first", "schema_first"])
+def test_a_shape_signature_rebuilds_to_the_same_programs_without_the_content(layout):
+    eng = lev_jax.load(tiny_backbone("llama", seed=3), calibration=None, layout=layout)
+    batches = [
+        [("My parcel never arrived.", {"t": TEAMS})],  # a choice: two orders sharing a header segment
+        [("My parcel never arrived and I was charged twice. " * 6, {"t": TEAMS, "u": URGENT, "l": LEVEL})],
+        [("Short one.", {"u": URGENT}), ("A longer state about a refund. " * 4, {"t": TEAMS, "l": LEVEL})],
+        [(f"Ticket {i}: the app crashes on start.", {"t": TEAMS, "u": URGENT}) for i in range(3)],
+    ]
+    for batch in batches:
+        entries = [(p.prefix_ids, p.rows) for p in (eng.plan(s, q) for s, q in batch)]
+        sig = shapes.signature(entries)
+        rebuilt = shapes.synthesize(json.loads(json.dumps(sig)), eng.backbone.config.vocab_size)
+        assert eng.executor.batch_programs(rebuilt) == eng.executor.batch_programs(entries)
+        assert [len(p) for p, _ in rebuilt] == [len(p) for p, _ in entries]
+        real = {t for p, rows in entries for t in [*p, *(x for r in rows for x in r.tokens)]}
+        made_up = {t for p, rows in rebuilt for t in [*p, *(x for r in rows for x in r.tokens)]}
+        assert all(t >= shapes.FIRST_ID for t in made_up) and made_up != real
+    with pytest.raises(ValueError):
+        shapes.synthesize({**sig, "version": 0}, eng.backbone.config.vocab_size)
+    with pytest.raises(ValueError):  # made-up ids past the vocabulary
+        shapes.synthesize(sig, shapes.FIRST_ID + 10)
+
+
+def test_the_shape_log_keeps_the_most_used_and_survives_a_bad_file(tmp_path):
+    path = tmp_path / "log" / "m.json"
+    log = ShapeLog(path, limit=2)
+    a, b, c = ({"version": 1, "n": i} for i in range(3))
+    for sig in (a, a, b, c):  # past the limit the least recorded goes
+        log.add(sig)
+    assert ShapeLog(path).signatures() == [a, c]
+    path.write_text("{not json")
+    assert ShapeLog(path).signatures() == []  # ignored (and replaced at the next add)
+    assert not list(path.parent.glob(".shapes-*"))  # no temporary file left behind
+
+
+def test_a_restarted_server_warms_the_shapes_traffic_compiled_before_it_is_ready(tmp_path):
+    backbone = tiny_backbone("llama", seed=3)
+    request = ("I was charged twice for my order and want a refund.", {"t": TEAMS, "u": URGENT})
+    body = {"model": "jev-latest", "state": request[0], "questions": request[1]}
+    first = lev_jax.load(backbone, calibration=None)
+    app = create_app(first, ServerConfig(shape_log_dir=str(tmp_path)))
+    with ThreadServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        assert client.post("/v1/systemone", json=body).status_code == 200
+        assert client.post("/v1/systemone", json=body).status_code == 200  # compiles nothing: not logged
+    (log_file,) = (tmp_path / "lev_jax_shapes").glob("*.json")
+    assert len(json.loads(log_file.read_text())["shapes"]) == 1
+
+    second = lev_jax.load(backbone, calibration=None)  # a new engine: nothing run yet
+    assert not second.ready([request])
+    app = create_app(second, ServerConfig(shape_log_dir=str(tmp_path), warmup_budget_s=60))
+    app.state.warmup.batches = [[("Another state, warmed by the grid.", {"l": LEVEL})]]
+    with ThreadServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        for _ in range(1200):
+            h = client.get("/health").json()
+            if h["status"] == "ready":
+                break
+            time.sleep(0.05)
+        assert h["warmup"]["recorded_shapes_done"] == h["warmup"]["recorded_shapes_planned"] == 1
+        assert second.ready([request])  # the logged shape is compiled before ready
+        assert client.post("/v1/systemone", json=body).status_code == 200
+    assert len(json.loads(log_file.read_text())["shapes"]) == 1  # the warm-up's own batches are not logged
 
 
 # -- runtime -------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from lev_jax.server import wire
 from lev_jax.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from lev_jax.server.metrics import Metrics
 from lev_jax.server.scheduler import QueueFull, Scheduler, ShuttingDown
-from lev_jax.server.warmup import Warmup
+from lev_jax.server.warmup import ShapeLog, Warmup
 
 log = logging.getLogger("lev_jax.server")
 
@@ -65,6 +65,8 @@ class ServerConfig:
     release_date: str = RELEASE_DATE
     # seconds of background warm-up at start (lev_jax/server/warmup.py); 0: none, ready at once
     warmup_budget_s: float = 0.0
+    # where to keep the shape log (warmup.ShapeLog): the compilation cache directory in use; None: no log
+    shape_log_dir: str | None = None
 
 
 class _ClientGone(Exception):
@@ -135,7 +137,12 @@ def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> Fa
         # engines that know their compiled programs keep compiling requests out of the ready lane
         ready=getattr(engine, "ready", None),
     )
-    warmup = Warmup(engine, cfg.warmup_budget_s)
+    shape_log = None
+    if cfg.shape_log_dir and hasattr(engine, "warm"):
+        shape_log = ShapeLog.for_engine(cfg.shape_log_dir, engine)
+    warmup = Warmup(engine, cfg.warmup_budget_s, shape_log=shape_log)
+    if shape_log is not None:
+        engine.on_compile = warmup.record
     model_name = engine.model_name
     accepted_models = {ALIAS, model_name}
     started = time.time()

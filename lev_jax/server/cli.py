@@ -8,6 +8,7 @@ SIGINT/SIGTERM: stop accepting, finish what is in flight, exit.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
@@ -194,7 +195,8 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         engine.platform,
         runtime.compilation_cache_dir() or "off",
     )
-    app = create_app(engine, config)
+    # the shapes traffic compiles are recorded beside the compiled programs, to be warmed next start
+    app = create_app(engine, dataclasses.replace(config, shape_log_dir=runtime.compilation_cache_dir()))
     uv = uvicorn_config(
         app, host=args.host, port=args.port, log_level=args.log_level, drain_timeout_s=config.drain_timeout_s
     )

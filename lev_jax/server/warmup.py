@@ -9,15 +9,24 @@ score, and all three together), single and as concurrent micro-batches, smallest
 time budget. With the persistent compilation cache (lev_jax/runtime.py) a restarted server loads
 these programs from disk instead of compiling them, so its warm-up takes a fraction of the first.
 
+What the grid cannot guess is the shapes of the traffic a deployment really gets. A server with a
+compilation cache records the shape (no content: `readout.shapes`) of every batch that made it compile
+in a shape log next to the cache, and warms those shapes first, most used first, at its next start.
+
 The server's scheduler keeps requests that still need a new program out of the way of those whose
 programs are ready (lev_jax/server/scheduler.py), so warm-up order only decides what is fast first.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import re
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 log = logging.getLogger("lev_jax.server")
 
@@ -37,7 +46,10 @@ CHOICE = {
 SCORE = {"type": "score", "instructions": "How urgent is this ticket?", "criteria": ["low", "medium", "high"]}
 MIXES = ({"noul": NOUL}, {"choice": CHOICE}, {"score": SCORE}, {"noul": NOUL, "choice": CHOICE, "score": SCORE})
 CONCURRENT = (2, 4, 8)  # micro-batch sizes warmed for the all-three mix
+CONCURRENT_MAX_TOKENS = 250  # ... on states up to this size (8 larger states are compute, not compiles)
 DEFAULT_BUDGET_S = 120.0
+SHAPE_LOG_DIR = "lev_jax_shapes"  # inside the compilation cache directory
+SHAPE_LOG_LIMIT = 64  # recorded shapes kept per model and dtype (the least used are dropped)
 WORDS = "the customer wrote about an order a refund and a late delivery again".split()
 
 
@@ -60,19 +72,79 @@ def default_batches(engine) -> list[list[tuple]]:
     batches = [[(state, mix)] for state in states for mix in MIXES]
     everything = MIXES[-1]
     for n in CONCURRENT:
-        for state in states:
+        for state in states[: sum(t <= CONCURRENT_MAX_TOKENS for t in STATE_TOKENS)]:
             batches.append([(f"{state} ({i})", everything) for i in range(n)])
     return batches
 
 
-class Warmup:
-    """Runs the warm-up grid in a background thread; `info()` is what /health reports."""
+class ShapeLog:
+    """The shapes (readout.shapes signatures) of batches that made a server compile, with how often
+    each was recorded, kept in one JSON file per model and dtype; written atomically, so a crash never
+    leaves half a log (an unreadable log is ignored and replaced)."""
 
-    def __init__(self, engine, budget_s: float = DEFAULT_BUDGET_S, batches: list[list[tuple]] | None = None):
+    def __init__(self, path: str | os.PathLike, limit: int = SHAPE_LOG_LIMIT):
+        self.path = Path(path)
+        self.limit = limit
+        self.lock = threading.Lock()
+        self.counts: dict[str, int] = {}
+        try:
+            doc = json.loads(self.path.read_text())
+            self.counts = {str(k): int(v) for k, v in doc["shapes"].items()}
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            log.warning("ignoring the unreadable shape log %s (%s)", self.path, e)
+
+    @classmethod
+    def for_engine(cls, cache_dir: str | os.PathLike, engine) -> ShapeLog:
+        name = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{engine.model_name}-{engine.backbone.dtype}")
+        return cls(Path(cache_dir) / SHAPE_LOG_DIR / f"{name}.json")
+
+    def signatures(self) -> list[dict]:
+        """Most recorded first."""
+        with self.lock:
+            keys = sorted(self.counts, key=lambda k: -self.counts[k])
+        return [json.loads(k) for k in keys]
+
+    def add(self, signature: dict) -> None:
+        key = json.dumps(signature, separators=(",", ":"), sort_keys=True)
+        with self.lock:
+            self.counts[key] = self.counts.get(key, 0) + 1
+            if len(self.counts) > self.limit:
+                del self.counts[min(self.counts, key=lambda k: self.counts[k])]
+            doc = json.dumps({"shapes": self.counts})
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".shapes-")
+            with os.fdopen(fd, "w") as f:
+                f.write(doc)
+            os.replace(tmp, self.path)
+        except OSError as e:  # a read-only cache must not fail a request
+            log.warning("cannot write the shape log %s (%s)", self.path, e)
+
+    def discard(self, signature: dict) -> None:
+        with self.lock:
+            self.counts.pop(json.dumps(signature, separators=(",", ":"), sort_keys=True), None)
+
+
+class Warmup:
+    """Runs the recorded shapes (`shape_log`), then the warm-up grid, in a background thread;
+    `info()` is what /health reports."""
+
+    def __init__(
+        self,
+        engine,
+        budget_s: float = DEFAULT_BUDGET_S,
+        batches: list[list[tuple]] | None = None,
+        shape_log: ShapeLog | None = None,
+    ):
         self.engine = engine
         self.budget_s = budget_s
         self.batches = batches
+        self.shape_log = shape_log
         self.planned = 0 if batches is None else len(batches)
+        self.recorded_planned = 0
+        self.recorded_done = 0
         self.done = 0
         self.failed = 0
         self.seconds = 0.0
@@ -102,10 +174,11 @@ class Warmup:
         t0 = time.perf_counter()
         compiled0 = self._compiled()
         try:
+            self.warm_recorded(t0)
             batches = self.batches if self.batches is not None else default_batches(self.engine)
             self.planned = len(batches)
             for batch in batches:
-                if self._stop.is_set() or time.perf_counter() - t0 > self.budget_s:
+                if self._over(t0):
                     self.stopped_early = self.done < self.planned
                     break
                 results = self.engine.predict_many(batch)
@@ -118,13 +191,43 @@ class Warmup:
         self.seconds = time.perf_counter() - t0
         self.state = "ready"
         log.info(
-            "warm-up: %d of %d batches in %.1fs, %s programs compiled%s",
+            "warm-up: %d of %d recorded shapes and %d of %d batches in %.1fs, %s programs compiled%s",
+            self.recorded_done,
+            self.recorded_planned,
             self.done,
             self.planned,
             self.seconds,
             self._compiled() - compiled0 if compiled0 is not None else "?",
             " (budget reached)" if self.stopped_early else "",
         )
+
+    def record(self, signature: dict) -> None:
+        """Engine.on_compile: log what traffic compiled (not what the warm-up itself runs)."""
+        if self.shape_log is not None and threading.current_thread() is not self._thread:
+            self.shape_log.add(signature)
+
+    def _over(self, t0: float) -> bool:
+        return self._stop.is_set() or time.perf_counter() - t0 > self.budget_s
+
+    def warm_recorded(self, t0: float) -> None:
+        """The shapes this deployment compiled before, most used first; one that no longer fits the
+        model (another tokenizer, new limits) is dropped from the log."""
+        if self.shape_log is None:
+            return
+        shapes = self.shape_log.signatures()
+        self.recorded_planned = len(shapes)
+        for sig in shapes:
+            if self._over(t0):
+                self.stopped_early = True
+                return
+            try:
+                self.engine.warm(sig)
+            except (ValueError, KeyError, TypeError, IndexError) as e:
+                log.info("dropping a recorded shape this model cannot run (%s)", e)
+                self.shape_log.discard(sig)
+                self.failed += 1
+            self.recorded_done += 1
+            self.seconds = time.perf_counter() - t0
 
     def _compiled(self):
         try:
@@ -137,6 +240,8 @@ class Warmup:
             "state": self.state,
             "batches_done": self.done,
             "batches_planned": self.planned,
+            "recorded_shapes_done": self.recorded_done,
+            "recorded_shapes_planned": self.recorded_planned,
             "failed": self.failed,
             "seconds": round(self.seconds if self.state == "ready" else self.seconds, 3),
             "budget_s": self.budget_s,

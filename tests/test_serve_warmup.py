@@ -206,9 +206,14 @@ def test_the_shape_log_keeps_the_most_used_and_survives_a_bad_file(tmp_path):
     path = tmp_path / "log" / "m.json"
     log = ShapeLog(path, limit=2)
     a, b, c = ({"version": 1, "n": i} for i in range(3))
-    for sig in (a, a, b, c):  # past the limit the least recorded goes
+    for sig in (a, a, b, c):  # past the limit the least recorded of the others goes
         log.add(sig)
     assert ShapeLog(path).signatures() == [a, c]
+    log.add(c)  # a: 2, c: 2
+    log.add(b)  # a newcomer is not evicted by its own count of 1: the least used of the others goes
+    assert ShapeLog(path).signatures() == [c, b]
+    log.discard(c)
+    assert ShapeLog(path).signatures() == [b]  # a discard is on disk too
     path.write_text("{not json")
     assert ShapeLog(path).signatures() == []  # ignored (and replaced at the next add)
     assert not list(path.parent.glob(".shapes-*"))  # no temporary file left behind

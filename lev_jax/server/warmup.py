@@ -106,13 +106,27 @@ class ShapeLog:
             keys = sorted(self.counts, key=lambda k: -self.counts[k])
         return [json.loads(k) for k in keys]
 
+    @staticmethod
+    def key(signature: dict) -> str:
+        return json.dumps(signature, separators=(",", ":"), sort_keys=True)
+
     def add(self, signature: dict) -> None:
-        key = json.dumps(signature, separators=(",", ":"), sort_keys=True)
+        key = self.key(signature)
         with self.lock:
             self.counts[key] = self.counts.get(key, 0) + 1
-            if len(self.counts) > self.limit:
-                del self.counts[min(self.counts, key=lambda k: self.counts[k])]
+            if len(self.counts) > self.limit:  # the least used of the others: a new shape gets its chance
+                del self.counts[min((k for k in self.counts if k != key), key=lambda k: self.counts[k])]
+        self.save()
+
+    def discard(self, signature: dict) -> None:
+        with self.lock:
+            self.counts.pop(self.key(signature), None)
+        self.save()
+
+    def save(self) -> None:
+        with self.lock:
             doc = json.dumps({"shapes": self.counts})
+        tmp = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".shapes-")
@@ -121,10 +135,8 @@ class ShapeLog:
             os.replace(tmp, self.path)
         except OSError as e:  # a read-only cache must not fail a request
             log.warning("cannot write the shape log %s (%s)", self.path, e)
-
-    def discard(self, signature: dict) -> None:
-        with self.lock:
-            self.counts.pop(json.dumps(signature, separators=(",", ":"), sort_keys=True), None)
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
 
 
 class Warmup:

@@ -13,3 +13,12 @@ class RequestError(ValueError):
 
 class TokenLimitError(RequestError):
     """A request over the token budget, detected before any work (HTTP 413)."""
+
+
+class ImageError(RequestError):
+    """An image asset that cannot be read: corrupt, truncated, not an image, an unsupported format
+    (HTTP 400 naming the asset)."""
+
+
+class ImageTooLargeError(ImageError):
+    """An image over the byte or pixel limits, detected before it is decoded (HTTP 413)."""

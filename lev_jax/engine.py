@@ -33,9 +33,10 @@ class DecisionEngine(Protocol):
     model_name: str
     supports_images: bool
 
-    def plan(self, state, questions) -> Any:
+    def plan(self, state, questions, images: dict | None = None) -> Any:
         """Validate and tokenize a request (RequestError / TokenLimitError before any device work);
-        the result has `token_counts()` and may be passed to `predict_many` as (plan, None)."""
+        the result has `token_counts()` and may be passed to `predict_many` as (plan, None).
+        `images` (only where `supports_images`): placeholder -> encoded image bytes."""
 
     def predict_many(self, requests: list, *, with_usage: bool = False) -> list:
         """Per request: its answers ((answers, usage) with `with_usage`) or the RequestError it raised."""
@@ -68,12 +69,13 @@ class Engine:
             layout=layout,
             noul_readout=noul_readout,
             option_averaging=option_averaging,
+            vision=backbone.vision,
         )
         self.executor = readout.Executor(backbone, prefix_cache_bytes=prefix_cache_bytes)
         self.calibration = calibration or Calibration.identity(model_name or backbone.name)
         self.model_name = model_name or backbone.name
         self.checkpoint = checkpoint
-        self.supports_images = False
+        self.supports_images = backbone.vision is not None
         # program keys (Executor.batch_programs) this process has run: what `ready` knows compiles nothing
         self.compiled_keys: set[tuple] = set()
         # called with the shape (readout.shapes.signature) of each batch that compiled a program: a
@@ -88,13 +90,23 @@ class Engine:
     exact_reruns = property(lambda self: self.executor.exact_reruns)
 
     # -- public API ----------------------------------------------------------------------------
-    def plan(self, state, questions) -> readout.RequestPlan:
+    def plan(self, state, questions, images: dict | None = None) -> readout.RequestPlan:
         """Validate, lay out and tokenize a request, checking the token limits (RequestError /
-        TokenLimitError) before any device work."""
-        return self.planner.plan(state, questions)
+        TokenLimitError) before any device work. `images` (a vision checkpoint): placeholder ->
+        image (encoded PNG/JPEG bytes, a file path, or an `images.PreparedImage`), each placeholder
+        written where the state shows the image; decoded and preprocessed here (ImageError /
+        ImageTooLargeError name the asset)."""
+        prepared = None
+        if images:
+            if self.backbone.vision is None:
+                raise RequestError(f"model {self.model_name} is text-only and cannot read images")
+            if len(images) > domain.MAX_IMAGES_PER_REQUEST:
+                raise RequestError(f"{len(images)} images; the limit is {domain.MAX_IMAGES_PER_REQUEST} per request")
+            prepared = {alias: self.backbone.vision.prepare(alias, data) for alias, data in images.items()}
+        return self.planner.plan(state, questions, prepared)
 
-    def count_tokens(self, state, questions) -> dict:
-        return self.plan(state, questions).token_counts()
+    def count_tokens(self, state, questions, images: dict | None = None) -> dict:
+        return self.plan(state, questions, images).token_counts()
 
     def answer(
         self,
@@ -110,7 +122,8 @@ class Engine:
             self.compiled_keys.clear()  # every program was freed: each recompiles on next use
         keys = self.batch_programs(plans) if reader is None else set()
         out = readout.run(plans, reader or self.executor.read, usages, self.planner, calibration or self.calibration)
-        if not keys <= self.compiled_keys and self.on_compile is not None:
+        images = any(getattr(p.prefix_ids, "images", ()) for p in plans)  # shapes.signature records text only
+        if not keys <= self.compiled_keys and self.on_compile is not None and not images:
             self.on_compile(shapes.signature([(p.prefix_ids, p.rows) for p in plans]))
         self.compiled_keys |= keys
         return out
@@ -130,18 +143,34 @@ class Engine:
         self.compiled_keys |= keys
         return new
 
-    def predict(self, state, questions, *, reference: bool = False, calibration: Calibration | None = None) -> dict:
-        """Answers in the Jev shapes. `reference=True` runs one independent full forward per row
-        (no shared prefix, no bucketing): slow, for checking the fast path."""
-        return self.predict_with_usage(state, questions, reference=reference, calibration=calibration)[0]
+    def predict(
+        self,
+        state,
+        questions,
+        *,
+        images: dict | None = None,
+        reference: bool = False,
+        calibration: Calibration | None = None,
+    ) -> dict:
+        """Answers in the Jev shapes. `images` (a vision checkpoint): placeholder -> image, as in
+        `plan`. `reference=True` runs one independent full forward per row (no shared prefix, no
+        bucketing): slow, for checking the fast path."""
+        return self.predict_with_usage(state, questions, images=images, reference=reference, calibration=calibration)[0]
 
     def predict_with_usage(
-        self, state, questions, *, reference: bool = False, calibration: Calibration | None = None
+        self,
+        state,
+        questions,
+        *,
+        images: dict | None = None,
+        reference: bool = False,
+        calibration: Calibration | None = None,
     ) -> tuple[dict, dict]:
         """(answers, usage): usage = {"input_tokens": state prefix once + every question row,
         including round-2 rows of grouped choices, "cached_input_tokens": of those, prefix tokens
-        reused from an earlier request with the same state}."""
-        plan = self.plan(state, questions)
+        reused from an earlier request with the same state}; with images also "image_tokens" (of
+        the input tokens) and "cached_image_tokens" (of those, ones whose features were cached)."""
+        plan = self.plan(state, questions, images)
         usage = readout.Usage()
         reader = self.executor.read_reference if reference else self.executor.read
         answers = self.answer([plan], [usage], reader=reader, calibration=calibration)[0]
@@ -197,6 +226,8 @@ class Engine:
             "layout": self.layout,
             "calibrated": not self.calibration.is_identity,
             "mode_b": False,
+            "supports_images": self.supports_images,
+            "vision": None if self.backbone.vision is None else self.backbone.vision.info(),
             "noul_readout": self.noul_readout,
             "option_averaging": self.option_averaging,
             "option_cap": domain.CHOICE_OPTIONS[1],
@@ -235,6 +266,7 @@ def load(
     *,
     calibration="auto",
     noul_readout: str | None = None,
+    image_pixel_budget: int | None = None,
     **engine_kwargs,
 ) -> Engine:
     """An engine over `model` (None = the embedded default, a checkpoint directory, a .gguf file, a
@@ -247,7 +279,8 @@ def load(
 
     A run directory serves its newest checkpoint (adapter merged) with the prompt settings it was
     trained with (prompt style, layout, noul readout, option averaging: the served rows are the
-    trained rows); arguments given here override them."""
+    trained rows); arguments given here override them. `image_pixel_budget` (a vision checkpoint):
+    each image is resized to at most this many pixels (default `domain.IMAGE_PIXEL_BUDGET`)."""
     if checkpoint is not None:
         raise ValueError("checkpoint= is not supported; pass a training run directory as the model")
     runtime.enable_compilation_cache()
@@ -265,6 +298,10 @@ def load(
             served = f"{model}@step {meta['step']}"
         else:
             bb = backbone_lib.load_backbone(model, dtype=dtype)
+    if image_pixel_budget is not None:
+        if bb.vision is None:
+            raise ValueError(f"image_pixel_budget applies to vision checkpoints; {bb.name} is text-only")
+        bb.vision.set_pixel_budget(image_pixel_budget)
     if prompt_style is not None:
         settings["prompt_style"] = prompt_style
     if noul_readout is not None:

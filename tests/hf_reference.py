@@ -102,9 +102,12 @@ def save_qwen3_5(name: str, out_dir, seed: int = 0):
 VL_TOKEN_IDS = dict(image_token_id=150, video_token_id=151, vision_start_token_id=152, vision_end_token_id=153)
 
 
-def save_qwen3_5_vl(name: str, out_dir, seed: int = 0):
-    """The VL layout: the text model nested under model.language_model.* beside a vision tower."""
+def save_qwen3_5_vl(name: str, out_dir, seed: int = 0, *, vocab: int = VOCAB):
+    """The VL layout: the text model nested under model.language_model.* beside a vision tower.
+    `vocab`: the default tiny vocabulary (vision tokens VL_TOKEN_IDS), or the Qwen3.5 tokenizer's
+    size (248,320: the checkpoint then serves with the real tokenizer and its own vision tokens)."""
     text = qwen3_5_text_config(name)
+    text.vocab_size = vocab
     vision = transformers.Qwen3_5VisionConfig(
         depth=1,
         hidden_size=32,
@@ -119,7 +122,7 @@ def save_qwen3_5_vl(name: str, out_dir, seed: int = 0):
         text_config=text.to_dict(),
         vision_config=vision.to_dict(),
         tie_word_embeddings=text.tie_word_embeddings,
-        **VL_TOKEN_IDS,
+        **(VL_TOKEN_IDS if vocab == VOCAB else {}),
     )
     torch.manual_seed(seed)
     model = transformers.Qwen3_5ForConditionalGeneration(cfg).eval()

@@ -92,11 +92,25 @@ def forward(
     cache_write: CacheWrite = CacheWrite.APPEND,
     anchored_softmax: bool = False,
     remat: str = "none",
+    embeds_BTE=None,
+    embeds_mask_BT=None,
 ):
     """(hidden, new_cache): the final-normed hidden state at `readout_BR` (or every new token), and the
     cache as `cache_write` asks (CausalLM.__call__). `remat`: a REMAT_POLICIES name, how each
-    layer is rematerialised when this is differentiated."""
-    return bind(params, cfg)(tokens_BT, cache, valid_BT, positions_BT, readout_BR, cache_write, anchored_softmax, remat)
+    layer is rematerialised when this is differentiated. `embeds_BTE` / `embeds_mask_BT`: input
+    embeddings (image features) replacing the token embeddings where the mask is set."""
+    return bind(params, cfg)(
+        tokens_BT,
+        cache,
+        valid_BT,
+        positions_BT,
+        readout_BR,
+        cache_write,
+        anchored_softmax,
+        remat,
+        embeds_BTE,
+        embeds_mask_BT,
+    )
 
 
 def head_logits(params, hidden, cfg, token_ids=None):

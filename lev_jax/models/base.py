@@ -71,6 +71,8 @@ class CausalLM(nnx.Module):
         cache_write: CacheWrite = CacheWrite.APPEND,
         anchored_softmax: bool = False,
         remat: str = "none",
+        embeds_BTE=None,
+        embeds_mask_BT=None,
     ):
         """Run T new tokens after `cache` (None: no context). Returns (hidden, new_cache) where hidden
         is the final-normed state at `readout_BR` ([B, R, E], indices into the T new tokens) or at
@@ -82,7 +84,10 @@ class CausalLM(nnx.Module):
         `anchored_softmax`: attention against a shared cache uses the faster anchored stabiliser
         (layers.attend); a row it cannot serve comes out NaN and must be rerun without it.
         `remat`: a REMAT_POLICIES name, how each decoder layer is rematerialised under jax.grad
-        (the forward values are the same under every policy)."""
+        (the forward values are the same under every policy).
+        `embeds_BTE` / `embeds_mask_BT`: input embeddings that replace the token embeddings where the
+        mask is set (image features at their placeholder tokens); `positions_BT` may then be
+        [3, B, T] multimodal positions (layers.rope_cos_sin)."""
         if not isinstance(cache_write, CacheWrite):
             raise ValueError(
                 f"cache_write must be a CacheWrite ({', '.join(m.name for m in CacheWrite)}), not {cache_write!r}"
@@ -93,7 +98,7 @@ class CausalLM(nnx.Module):
             valid_BT = jnp.ones((B, T), bool)
         if positions_BT is None:
             positions_BT = cache_lib.positions_for(cache, valid_BT)
-        cos, sin = rope_cos_sin(positions_BT, self.rot_dim, self.rope_theta)
+        cos, sin = rope_cos_sin(positions_BT, self.rot_dim, self.rope_theta, getattr(self, "mrope_axes", None))
         ctx = Context(
             cos=cos,
             sin=sin,
@@ -105,6 +110,8 @@ class CausalLM(nnx.Module):
             anchored_softmax=anchored_softmax,
         )
         x = self.embed_tokens(tokens_BT).astype(jnp.float32)  # the residual stream is fp32 (layers.py)
+        if embeds_BTE is not None:
+            x = jnp.where(embeds_mask_BT[..., None], embeds_BTE.astype(jnp.float32), x)
         new_layers = []
         for i, layer in enumerate(self.layers):
             x, layer_cache = _call_layer(layer, x, ctx, None if cache is None else cache["layers"][i], policy)

@@ -194,11 +194,21 @@ class MLP(nnx.Module):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def rope_cos_sin(positions_BT, rot_dim: int, theta: float):
+def rope_cos_sin(positions_BT, rot_dim: int, theta: float, mrope_axes: tuple[int, ...] | None = None):
     """cos/sin [B, T, rot_dim / 2] in fp32, one per frequency (rotate-half convention: the first and
-    second halves of the rotated dims share the frequencies)."""
+    second halves of the rotated dims share the frequencies).
+
+    Multimodal rotary (Qwen3.5's M-RoPE): `positions_BT` is then [3, B, T] (temporal, height, width
+    position of each token) and frequency f turns with the position on axis `mrope_axes[f]`. Text
+    tokens carry the same position on all three axes, which is plain rotary."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, rot_dim, 2, dtype=jnp.float32) / rot_dim))
-    freqs_BTF = positions_BT.astype(jnp.float32)[..., None] * inv_freq
+    if positions_BT.ndim == 3:
+        if mrope_axes is None or len(mrope_axes) != inv_freq.shape[0]:
+            raise ValueError("3-axis positions need this model's M-RoPE sections (one axis per rotary frequency)")
+        pos_BTF = jnp.moveaxis(positions_BT, 0, -1)[..., jnp.asarray(mrope_axes)]
+        freqs_BTF = pos_BTF.astype(jnp.float32) * inv_freq
+    else:
+        freqs_BTF = positions_BT.astype(jnp.float32)[..., None] * inv_freq
     return _materialize(jnp.cos(freqs_BTF)), _materialize(jnp.sin(freqs_BTF))
 
 

@@ -5,10 +5,21 @@ only), and logits -> calibrated probabilities -> Jev answers (`compose`)."""
 from lev_jax.readout.compose import answer, question_probs, readout_probs, run
 from lev_jax.readout.execute import Executor, Usage
 from lev_jax.readout.logits import RowBatch, pack_prefixes, pack_rows, prefixed_label_logits, rows_label_logits
-from lev_jax.readout.plan import Planner, QuestionPlan, Readout, RequestPlan, Row, check_limits, normalize_question
+from lev_jax.readout.plan import (
+    ImagePrefix,
+    Planner,
+    QuestionPlan,
+    Readout,
+    RequestPlan,
+    Row,
+    check_limits,
+    normalize_question,
+    prefix_key,
+)
 
 __all__ = [
     "Executor",
+    "ImagePrefix",
     "Planner",
     "QuestionPlan",
     "Readout",
@@ -21,6 +32,7 @@ __all__ = [
     "normalize_question",
     "pack_prefixes",
     "pack_rows",
+    "prefix_key",
     "prefixed_label_logits",
     "question_probs",
     "readout_probs",

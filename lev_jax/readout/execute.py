@@ -28,7 +28,7 @@ import numpy as np
 from lev_jax import buckets
 from lev_jax.models import cache as cache_lib
 from lev_jax.readout import logits as logits_lib
-from lev_jax.readout.plan import Row
+from lev_jax.readout.plan import Row, prefix_key
 
 # Question headers shared by a readout's rows become a cache segment when that saves at least this
 # many row tokens (and a tenth of them): below it the extra device call costs more than it saves.
@@ -43,9 +43,14 @@ class Usage:
     processed: int = 0  # tokens that went through the model (state prefix once, every row)
     cached: int = 0  # state-prefix tokens served from the cross-request cache
     prefix_seen: bool = False
+    image_tokens: int = 0  # of `processed`, the state's image tokens
+    cached_image_tokens: int = 0  # of those, image tokens whose features (or whole prefix) were cached
 
     def as_dict(self) -> dict:
-        return {"input_tokens": self.processed, "cached_input_tokens": self.cached}
+        out = {"input_tokens": self.processed, "cached_input_tokens": self.cached}
+        if self.image_tokens:
+            out |= {"image_tokens": self.image_tokens, "cached_image_tokens": self.cached_image_tokens}
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +173,8 @@ class Executor:
             return set().union(*(self.programs(key, rest) for key, _, rest in self.stateless_groups(prefix_ids, rows)))
         p = len(prefix_ids)
         pb = buckets.fit(p, buckets.PREFIX[1:], "prefix length") if p else 0
-        keys = {("prefill", pb)} if pb else set()
+        keys = {(prefill_program(prefix_ids), pb)} if pb else set()
+        keys |= {("vision", img.grid_thw) for img in getattr(prefix_ids, "images", ())}
         if any(map(is_long, rows)):
             for r in filter(is_long, rows):
                 codes = buckets.fit(len(r.label_ids), buckets.CODES, "label codes")
@@ -207,7 +213,8 @@ class Executor:
         for start in range(0, len(entries), per_call):
             part = entries[start : start + per_call]
             pbs = [buckets.fit(len(p), buckets.PREFIX[1:], "prefix length") for p, _ in part]
-            keys |= {("prefill", pb) for pb in pbs}
+            keys |= {(prefill_program(p), pb) for (p, _), pb in zip(part, pbs)}
+            keys |= {("vision", img.grid_thw) for p, _ in part for img in getattr(p, "images", ())}
             n, slots = buckets.fit(len(part), buckets.ROWS, "requests"), max(pbs)
             flat = [(k, r) for k, (_, rows) in enumerate(part) for r in rows]
             for _, r in flat:
@@ -220,19 +227,35 @@ class Executor:
         return keys
 
     # -- readers -----------------------------------------------------------------------------------
-    def prefix_cache(self, prefix_ids):
-        """(cache, hit): the prefix's cache, from the LRU when this exact prefix was seen before."""
+    def prefix_cache(self, prefix_ids, usage: Usage | None = None):
+        """(cache, hit): the prefix's cache, from the LRU when this exact prefix (and its images) was
+        seen before. A prefix with images (readout.plan.ImagePrefix) has their features put in at
+        their placeholders; `usage` counts its image tokens and those whose features were cached."""
         p = len(prefix_ids)
         if p == 0:
             return None, False
-        key = tuple(prefix_ids)
+        key = prefix_key(prefix_ids)
+        images = getattr(prefix_ids, "images", ())
+        n_image = sum(img.n_tokens for img in images)
         with self.lock:
             if key in self.prefixes:
                 self.prefixes.move_to_end(key)
+                if usage is not None:
+                    usage.image_tokens += n_image
+                    usage.cached_image_tokens += n_image
                 return self.prefixes[key][0], True
         pb = buckets.fit(p, buckets.PREFIX[1:], "prefix length")
         tokens, valid = logits_lib.pack_prefixes([prefix_ids], 1, pb)
-        cache = self.backbone.prefill(tokens, valid, chunk=buckets.PREFILL_CHUNK)
+        if images:
+            embeds, mask, positions, cached = self.backbone.vision.prefix_inputs(prefix_ids, images, pb)
+            cache = self.backbone.prefill(
+                tokens, valid, chunk=buckets.PREFILL_CHUNK, embeds=embeds, embeds_mask=mask, positions=positions
+            )
+            if usage is not None:
+                usage.image_tokens += n_image
+                usage.cached_image_tokens += cached
+        else:
+            cache = self.backbone.prefill(tokens, valid, chunk=buckets.PREFILL_CHUNK)
         size = sum(x.nbytes for x in jax.tree.leaves(cache))
         if size <= self.prefix_cache_bytes:
             with self.lock:
@@ -249,7 +272,7 @@ class Executor:
             return [self.read_stateless(p, rows, u) for (p, rows), u in zip(entries, usages)]
         caches = []
         for (prefix_ids, rows), usage in zip(entries, usages):
-            cache, hit = self.prefix_cache(prefix_ids)
+            cache, hit = self.prefix_cache(prefix_ids, None if usage.prefix_seen else usage)
             if not usage.prefix_seen:
                 usage.prefix_seen = True
                 usage.processed += len(prefix_ids)
@@ -285,9 +308,15 @@ class Executor:
         out = []
         for (prefix_ids, rows), usage in zip(entries, usages):
             usage.processed += sum(len(prefix_ids) + len(r.tokens) for r in rows)
+            images = getattr(prefix_ids, "images", ())
             per = []
             for r in rows:
-                logits = np.asarray(self.backbone.logits([list(prefix_ids) + r.tokens]))[0, -1]
+                ids = list(prefix_ids) + r.tokens
+                mm = {}
+                if images:  # the whole sequence in one call: image features and positions included
+                    embeds, mask, positions, _ = self.backbone.vision.prefix_inputs(ids, images, len(ids))
+                    mm = {"embeds": embeds, "embeds_mask": mask, "positions": positions}
+                logits = np.asarray(self.backbone.logits([ids], **mm))[0, -1]
                 per.append(logits[r.label_ids])
             out.append(per)
         return out
@@ -418,6 +447,12 @@ class Executor:
             for j, i in enumerate(call.rows):
                 out[i] = logits[j, : len(rows[i].label_ids)]
         return out
+
+
+def prefill_program(prefix_ids) -> str:
+    """The name of the program family computing a prefix: with images it takes image features and
+    3-axis positions too (another program for the same length)."""
+    return "prefill-image" if getattr(prefix_ids, "images", ()) else "prefill"
 
 
 def is_long(row: Row) -> bool:

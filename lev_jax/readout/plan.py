@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 
 import numpy as np
 
@@ -24,6 +25,25 @@ from lev_jax.errors import RequestError, TokenLimitError
 # (255 options: ~4.5k tokens a row), and the calibration fitted for large choices absorbs the order bias
 # that remains.
 AVERAGING_MAX_ROW_TOKENS = 2048
+
+
+class ImagePrefix(list):
+    """A state prefix's token ids (a list, usable wherever prefix ids are) that carries the images its
+    `<|image_pad|>` runs stand for, in order (`images.PreparedImage`). Two prefixes with the same ids
+    but other pictures are different prefixes: `prefix_key` tells them apart."""
+
+    def __init__(self, ids, images):
+        super().__init__(ids)
+        self.images = tuple(images)
+
+    @property
+    def image_tokens(self) -> int:
+        return sum(img.n_tokens for img in self.images)
+
+
+def prefix_key(prefix_ids) -> tuple:
+    """The cross-request cache key of a prefix: its ids, and the content keys of its images."""
+    return tuple(prefix_ids) + tuple(("image", img.key) for img in getattr(prefix_ids, "images", ()))
 
 
 @dataclasses.dataclass
@@ -167,6 +187,7 @@ class Planner:
         layout: str = "state_first",
         noul_readout: str = domain.BINARY,
         option_averaging: bool = True,
+        vision=None,
     ):
         if noul_readout not in domain.NOUL_READOUTS:
             raise ValueError(f"noul_readout must be one of {domain.NOUL_READOUTS}")
@@ -176,6 +197,7 @@ class Planner:
         self.format = prompt.PromptFormat(tokenizer, prompt_style)
         self.prompt_style, self.layout = prompt_style, layout
         self.noul_readout, self.option_averaging = noul_readout, option_averaging
+        self.vision = vision  # lev_jax.vision.Vision of a vision checkpoint: how an image stands in a prompt
         self.codes = labels.LabelCodes(tokenizer, self.format.answer_context, self.format.sep)
         self.group_size = min(self.codes.capacity(), buckets.CODES[-1])
         if self.group_size < 2:
@@ -190,8 +212,32 @@ class Planner:
             raise RequestError("state must be a string, an object or an array")
         return prompt.render_state(state)
 
-    def prefix_ids(self, state_text: str) -> list[int]:
-        return self.format.encode_prefix(self.format.build(state_text, "", self.layout).prefix)
+    def prefix_ids(self, state_text: str, images: dict | None = None) -> list[int]:
+        """The state prefix's tokens; with `images` (placeholder -> PreparedImage) an ImagePrefix in
+        which each placeholder occurrence in the state stands as the image's vision tokens."""
+        text = self.format.build(state_text, "", self.layout).prefix
+        if not images:
+            return self.format.encode_prefix(text)
+        if self.layout != "state_first":
+            raise RequestError("images are read in the state_first layout only (the state is then the shared prefix)")
+        pattern = re.compile("|".join(re.escape(a) for a in sorted(images, key=len, reverse=True)))
+        ids, order, start = list(self.format.bos), [], 0
+        for m in pattern.finditer(text):
+            img = images[m.group(0)]
+            ids += self.tokenizer.encode(text[start : m.start()]) + self.vision.placeholder_ids(img)
+            order.append(img)
+            start = m.end()
+        ids += self.tokenizer.encode(text[start:])
+        unused = sorted(set(images) - {img.alias for img in order})
+        if unused:
+            raise RequestError(f"image asset(s) {', '.join(map(repr, unused))} are not referenced in the state")
+        if len(order) > domain.MAX_IMAGES_PER_REQUEST:
+            raise RequestError(
+                f"the state references images {len(order)} times; the limit is {domain.MAX_IMAGES_PER_REQUEST}"
+            )
+        if ids.count(self.vision.image_token_id) != sum(img.n_tokens for img in order):
+            raise RequestError("the state's text contains the model's image placeholder token; remove it")
+        return ImagePrefix(ids, order)
 
     def _row(self, state_text: str, question_text: str, label_ids, lead: str = "") -> Row:
         p = self.format.build(state_text, question_text, self.layout)
@@ -261,15 +307,38 @@ class Planner:
         """Round 2 of a grouped choice: one readout over each group's winning option."""
         return self.choice_readout(state_text, qp.question, winners)
 
-    def plan(self, state, questions) -> RequestPlan:
+    def plan(self, state, questions, images: dict | None = None) -> RequestPlan:
         """Validate, lay out and tokenize a request, checking the token limits (RequestError /
-        TokenLimitError) before any device work."""
+        TokenLimitError) before any device work. `images`: placeholder -> PreparedImage, each
+        placeholder referenced from the state (a vision checkpoint only)."""
         if not isinstance(questions, dict) or not questions:
             raise RequestError("questions must be a non-empty object mapping question ids to questions")
+        if images and self.vision is None:
+            raise RequestError("this model is text-only and cannot read images")
         text = self.state_text(state)
-        plan = RequestPlan(text, self.prefix_ids(text), [self.question(text, qid, q) for qid, q in questions.items()])
+        qplans = [self.question(text, qid, q) for qid, q in questions.items()]
+        for qp in qplans:
+            named = [a for a in images or () if any(a in s for s in _strings(qp.question))]
+            if named:
+                raise RequestError(
+                    f"question {qp.qid!r} references image {named[0]!r}: images are read in the state only"
+                )
+        plan = RequestPlan(text, self.prefix_ids(text, images), qplans)
         check_limits(plan)
         return plan
+
+
+def _strings(value):
+    """Every string in a JSON-like value, keys included."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _strings(k)
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
 
 
 def check_limits(plan: RequestPlan) -> None:

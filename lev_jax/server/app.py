@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from lev_jax.engine import DecisionEngine
-from lev_jax.errors import RequestError, TokenLimitError
+from lev_jax.errors import ImageTooLargeError, RequestError, TokenLimitError
 from lev_jax.server import body as body_lib
 from lev_jax.server import errors as E
 from lev_jax.server import wire
@@ -124,7 +124,9 @@ def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> Fa
         )
     cfg = config or ServerConfig()
     metrics = Metrics(
-        max_pending=cfg.max_pending, compiled_programs=lambda: _engine_info(engine).get("compiled_programs")
+        max_pending=cfg.max_pending,
+        compiled_programs=lambda: _engine_info(engine).get("compiled_programs"),
+        vision=lambda: _engine_info(engine).get("vision"),
     )
     scheduler = Scheduler(
         # (answers, usage) per request: the response reports the engine's own token counts
@@ -248,15 +250,16 @@ def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> Fa
                 f"Model {model_name} is text-only and cannot read images: the request has {len(images)} image "
                 f"asset(s)"
                 + (f" referenced in {', '.join(where)}" if where else "")
-                + ". Remove the images or use a vision model (not served here yet)."
+                + ". Remove the images or serve a vision checkpoint (a Qwen3.5 VL model)."
             )
 
         # the wire shape is the engine's shape: nulls mean "nothing", as the engine reads them
         questions = {qid: q.model_dump() for qid, q in req.questions.items()}
-        try:  # plan once: count tokens and refuse over-budget requests before they queue
-            plan = await run_in_threadpool(engine.plan, req.state, questions)
+        plan_args = (req.state, questions) + (({img.alias: img.data for img in images},) if images else ())
+        try:  # plan once (images decoded too): count tokens and refuse over-budget requests before they queue
+            plan = await run_in_threadpool(engine.plan, *plan_args)
             counts = plan.token_counts()
-        except TokenLimitError as e:
+        except (TokenLimitError, ImageTooLargeError) as e:
             raise E.too_large(str(e)) from None
         except RequestError as e:
             raise E.ApiError(400, e.error_type, str(e)) from None
@@ -309,6 +312,14 @@ def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> Fa
                 "answers": ordered,
                 "usage": usage,
                 "x_cached_input_tokens": int(usage_reported.get("cached_input_tokens", 0)),
+                **(
+                    {
+                        "x_image_tokens": int(usage_reported["image_tokens"]),
+                        "x_cached_image_tokens": int(usage_reported.get("cached_image_tokens", 0)),
+                    }
+                    if usage_reported.get("image_tokens")
+                    else {}
+                ),
             }
         )
 
@@ -371,6 +382,8 @@ def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> Fa
             "noul_readout": info.get("noul_readout"),
             "option_cap": info.get("option_cap"),
             "supports_images": bool(engine.supports_images),
+            # a vision checkpoint's image limits and pixel budget, feature cache and tower counters
+            "vision": info.get("vision"),
             "in_flight": scheduler.pending,
             "queued": scheduler.queued,
             "max_pending": cfg.max_pending,

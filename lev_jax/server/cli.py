@@ -13,7 +13,7 @@ import logging
 import sys
 import time
 
-from lev_jax import runtime
+from lev_jax import domain, runtime
 from lev_jax.server.app import API_KEYS_ENV, ServerConfig, api_keys_from_env, create_app
 from lev_jax.server.warmup import DEFAULT_BUDGET_S
 
@@ -58,8 +58,16 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--model",
+        "--checkpoint",
+        dest="model",
         default=None,
         help="checkpoint directory, .gguf file, training run directory or hub id (default: the embedded SmolLM2-135M)",
+    )
+    p.add_argument(
+        "--image-pixels",
+        type=int,
+        default=None,
+        help=f"vision checkpoints: resize each image to at most this many pixels (default {domain.IMAGE_PIXEL_BUDGET})",
     )
     p.add_argument(
         "--prompt-style",
@@ -153,6 +161,8 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
             parser.error(f"{flag} must be at least 1")
     if args.timeout <= 0:
         parser.error("--timeout must be positive")
+    if args.image_pixels is not None and args.image_pixels < 1:
+        parser.error("--image-pixels must be positive")
     if args.warmup_budget < 0:
         parser.error("--warmup-budget must not be negative")
     return ServerConfig(
@@ -183,7 +193,9 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     runtime.enable_compilation_cache("" if args.no_compilation_cache else args.compilation_cache)
     t0 = time.perf_counter()
     try:
-        engine = lev_jax.load(model=args.model, prompt_style=args.prompt_style, dtype=args.dtype)
+        engine = lev_jax.load(
+            model=args.model, prompt_style=args.prompt_style, dtype=args.dtype, image_pixel_budget=args.image_pixels
+        )
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
         print(f"{prog}: cannot load the model: {e}", file=sys.stderr)
         return 2

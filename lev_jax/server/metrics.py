@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -39,6 +39,30 @@ class _CompiledPrograms:
             yield GaugeMetricFamily("lev_compiled_programs", "Device programs compiled so far.", value=value)
 
 
+class _Vision:
+    """The vision side's counters (`lev_image_feature_cache_{hits,misses}_total`,
+    `lev_vision_tower_runs_total`), read from the engine at scrape time; absent for a text-only model."""
+
+    def __init__(self, read: Callable[[], dict | None]):
+        self.read = read
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        info = self.read()
+        if not isinstance(info, dict):
+            return
+        stats = info.get("feature_cache") or {}
+        for name, doc, value in (
+            ("lev_image_feature_cache_hits", "Images whose vision features came from the cache.", stats.get("hits")),
+            ("lev_image_feature_cache_misses", "Images the feature cache did not hold.", stats.get("misses")),
+            ("lev_vision_tower_runs", "Images the vision tower encoded.", info.get("tower_runs")),
+        ):
+            if isinstance(value, int):
+                yield CounterMetricFamily(name, doc, value=value)
+
+
 class _WithoutCreated:
     """The registry's families without their `_created` samples: the 0.0.4 text format has no such
     series (the library would write each as an extra gauge), and the exposition keeps the series it had."""
@@ -56,8 +80,16 @@ class Metrics:
     """The server's metrics. The scheduler and the app record into it; `render()` is the /metrics body.
     prometheus-client's metrics are thread-safe, so recording needs no lock of ours."""
 
-    def __init__(self, *, max_pending: int = 0, compiled_programs: Callable[[], float | None] | None = None):
+    def __init__(
+        self,
+        *,
+        max_pending: int = 0,
+        compiled_programs: Callable[[], float | None] | None = None,
+        vision: Callable[[], dict | None] | None = None,
+    ):
         self.registry = r = CollectorRegistry()
+        if vision is not None:
+            r.register(_Vision(vision))
         self.requests = Counter(
             "lev_http_requests_total",
             "HTTP requests answered, by method, route and status code.",

@@ -171,6 +171,15 @@ class SystemOneResponse(BaseModel):
         description="Extension: of usage.input_tokens, the state-prefix tokens "
         "reused from an earlier request with the same state.",
     )
+    x_image_tokens: int = Field(
+        0, ge=0, description="Extension (requests with images): of usage.input_tokens, the images' tokens."
+    )
+    x_cached_image_tokens: int = Field(
+        0,
+        ge=0,
+        description="Extension: of x_image_tokens, those whose vision features were cached (the same "
+        "picture seen before): no vision tower ran for them.",
+    )
 
 
 class ModelInfo(BaseModel):

@@ -3,7 +3,10 @@
 Per `layer_types`: "linear_attention" = Gated DeltaNet (causal depthwise conv K=4 with carried state,
 chunked gated delta rule with an fp32 state, gated RMSNorm); "full_attention" = GQA with a doubled
 q_proj whose second half gates the output, per-head zero-centred q/k norm and partial rotary (0.25).
-For text the three mrope sections all see the same position, so mrope reduces to plain rotary.
+Rotary is M-RoPE: each rotary frequency turns with a temporal, height or width position
+(`mrope_section` frequencies each, interleaved t, h, w, t, h, w, ...). Text tokens carry one position on
+all three axes, so for text it is plain rotary; image tokens (the vision tower's features, scattered
+in at their placeholders) carry their grid row and column.
 """
 
 from __future__ import annotations
@@ -44,10 +47,20 @@ class Qwen3_5Config:
     attention_bias: bool = False
     max_position_embeddings: int = 32768
     model_type: str = "qwen3_5_text"
+    mrope_section: tuple[int, int, int] = (11, 11, 10)
+    # the vision placeholders (a VL checkpoint's top-level config); None for a text-only checkpoint
+    image_token_id: int | None = None
+    vision_start_token_id: int | None = None
+    vision_end_token_id: int | None = None
 
     @classmethod
     def from_hf(cls, d: dict) -> Qwen3_5Config:
+        vision_ids = {}
         if "text_config" in d:  # the VL checkpoint nests the language model's config
+            if "vision_config" in d:
+                vision_ids = {
+                    k: int(d[k]) for k in ("image_token_id", "vision_start_token_id", "vision_end_token_id") if k in d
+                }
             d = {
                 **d["text_config"],
                 "tie_word_embeddings": d.get("tie_word_embeddings", d["text_config"].get("tie_word_embeddings", False)),
@@ -62,6 +75,11 @@ class Qwen3_5Config:
         if unknown or len(layer_types) != n_layers:
             raise ValueError(f"bad layer_types for {n_layers} layers: {layer_types}")
         heads = d["num_attention_heads"]
+        if rope.get("mrope_interleaved") is False:
+            raise ValueError("contiguous (non-interleaved) M-RoPE sections are not supported")
+        section = tuple(int(x) for x in rope.get("mrope_section", (11, 11, 10)))
+        if len(section) != 3:
+            raise ValueError(f"mrope_section must have 3 entries (t, h, w), got {list(section)}")
         return cls(
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
@@ -82,6 +100,8 @@ class Qwen3_5Config:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", False)),
             max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+            mrope_section=section,
+            **vision_ids,
         )
 
     def model(self, dtype=jnp.float32, rngs=None):
@@ -123,6 +143,21 @@ class Qwen3_5Config:
                 total += proj + 4 * self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
             total += 3 * E * F
         return 2.0 * total
+
+
+def mrope_axes(section: tuple[int, int, int], n_freq: int) -> tuple[int, ...]:
+    """The position axis (0 temporal, 1 height, 2 width) each rotary frequency turns with, in the
+    interleaved layout: frequency f is height when f % 3 == 1 and f < 3 * section[1], width when
+    f % 3 == 2 and f < 3 * section[2], temporal otherwise."""
+    out = []
+    for f in range(n_freq):
+        if f % 3 == 1 and f < 3 * section[1]:
+            out.append(1)
+        elif f % 3 == 2 and f < 3 * section[2]:
+            out.append(2)
+        else:
+            out.append(0)
+    return tuple(out)
 
 
 def _l2norm(x, eps=1e-6):
@@ -337,6 +372,7 @@ class Qwen3_5LM(CausalLM):
     def __init__(self, cfg: Qwen3_5Config, *, dtype=jnp.float32, rngs: nnx.Rngs):
         rot = int(cfg.head_dim * cfg.partial_rotary_factor)
         self.rot_dim, self.rope_theta = rot - rot % 2, cfg.rope_theta
+        self.mrope_axes = mrope_axes(cfg.mrope_section, self.rot_dim // 2)
         norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True, dtype=dtype)
         self._init_shell(cfg, norm, dtype=dtype, rngs=rngs)
         self.layers = nnx.List([Qwen3_5Layer(cfg, kind, dtype=dtype, rngs=rngs) for kind in cfg.layer_types])

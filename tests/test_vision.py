@@ -1,0 +1,216 @@
+"""Images in a state, end to end: the multimodal prefix against transformers' own
+Qwen3_5ForConditionalGeneration (tiny random VL configs saved offline), predict() with images against
+one independent full forward per row, the feature cache, and the clear errors around images."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import hf_reference as R
+import lev_jax
+from lev_jax.errors import ImageError, RequestError
+from lev_jax.images import PreparedImage
+from lev_jax.readout import ImagePrefix
+from lev_jax.testing import tiny_backbone
+from lev_jax.vision import rope_index
+
+TOL = 1e-4  # transformers parity, fp32
+IMG = R.VL_TOKEN_IDS["image_token_id"]
+START, END = R.VL_TOKEN_IDS["vision_start_token_id"], R.VL_TOKEN_IDS["vision_end_token_id"]
+
+
+@pytest.fixture(scope="module")
+def tiny_vl(tmp_path_factory):
+    """'interval' has head_dim 32: four rotary frequencies, so temporal, height and width all turn."""
+    d = tmp_path_factory.mktemp("vl-interval")
+    ref = R.save_qwen3_5_vl("interval", d, seed=5)
+    return ref, lev_jax.load_backbone(str(d))
+
+
+def _image(rng, grid, cfg, alias):
+    t, h, w = grid
+    px = rng.standard_normal((t * h * w, cfg.patch_dim)).astype(np.float32)
+    return PreparedImage(
+        alias=alias, key=f"{alias}{grid}", pixel_values=px, grid_thw=grid, n_tokens=t * h * w // cfg.merge_unit
+    )
+
+
+def _sequence(rng, layout, images):
+    """Token ids: text runs of the given lengths with each image's vision tokens between them."""
+    ids = []
+    for i, n_text in enumerate(layout):
+        ids += rng.integers(0, 140, n_text).tolist()
+        if i < len(images):
+            ids += [START] + [IMG] * images[i].n_tokens + [END]
+    return ids
+
+
+def _hf_logits(model, ids, images):
+    with torch.no_grad():
+        ids_t = torch.tensor([ids])
+        out = model(
+            input_ids=ids_t,
+            pixel_values=torch.tensor(np.concatenate([img.pixel_values for img in images])),
+            image_grid_thw=torch.tensor([img.grid_thw for img in images]),
+            mm_token_type_ids=(ids_t == IMG).int(),
+        )
+    return out.logits.float().numpy()
+
+
+CASES = {
+    "one image mid-text": ([5, 7], [(1, 4, 6)]),
+    "two images of different sizes": ([3, 4, 6], [(1, 4, 4), (1, 6, 8)]),
+    "image first": ([0, 9], [(1, 8, 4)]),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_multimodal_logits_match_transformers(tiny_vl, case):
+    ref, bb = tiny_vl
+    layout, grids = CASES[case]
+    rng = np.random.default_rng(len(case))
+    images = [_image(rng, g, bb.vision.config, f"<image:{k}>") for k, g in enumerate(grids)]
+    ids = _sequence(rng, layout, images)
+    embeds, mask, positions, _ = bb.vision.prefix_inputs(ids, images, len(ids))
+    ours = np.asarray(bb.logits([ids], embeds=embeds, embeds_mask=mask, positions=positions))
+    np.testing.assert_allclose(ours, _hf_logits(ref, ids, images), atol=TOL, rtol=0)
+
+
+def test_rope_index_matches_transformers(tiny_vl):
+    ref, bb = tiny_vl
+    rng = np.random.default_rng(1)
+    images = [_image(rng, g, bb.vision.config, str(k)) for k, g in enumerate([(1, 4, 6), (1, 8, 2)])]
+    ids = _sequence(rng, [2, 3, 4], images)
+    ids_t = torch.tensor([ids])
+    theirs, delta = ref.model.get_rope_index(
+        ids_t, (ids_t == IMG).int(), image_grid_thw=torch.tensor([img.grid_thw for img in images])
+    )
+    ours, next_pos = rope_index(ids, [img.grid_thw for img in images], IMG, 2)
+    np.testing.assert_array_equal(ours, theirs[:, 0].numpy())
+    assert next_pos == len(ids) + int(delta[0, 0])  # the rows after the prefix continue here
+
+
+def test_prefix_cache_with_images_continues_like_one_forward(tiny_vl):
+    """The state prefix with its images computed once (in prefill chunks), rows extending it: the
+    same logits as the whole sequence in one call, positions after the image included."""
+    _, bb = tiny_vl
+    rng = np.random.default_rng(2)
+    images = [_image(rng, (1, 6, 4), bb.vision.config, "a"), _image(rng, (1, 4, 4), bb.vision.config, "b")]
+    prefix = ImagePrefix(_sequence(rng, [4, 3, 2], images), images)
+    rows = [rng.integers(0, 140, 5).tolist(), rng.integers(0, 140, 5).tolist()]
+    embeds, mask, positions, _ = bb.vision.prefix_inputs(prefix, images, len(prefix))
+    cache = bb.prefill(prefix, chunk=16, embeds=embeds, embeds_mask=mask, positions=positions)
+    hidden, _ = bb.extend(cache, np.asarray(rows))
+    got = np.asarray(bb.head(hidden))[:, -1]
+    for r, row in enumerate(rows):
+        ids = list(prefix) + row
+        e, m, p, _ = bb.vision.prefix_inputs(ids, images, len(ids))
+        want = np.asarray(bb.logits([ids], embeds=e, embeds_mask=m, positions=p))[0, -1]
+        np.testing.assert_allclose(got[r], want, atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------------ predict() with image states
+
+
+def _png(rng, size, mode="RGB") -> bytes:
+    arr = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).convert(mode).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def vl_engine(tmp_path_factory):
+    """A tiny VL checkpoint over the real Qwen3.5 vocabulary (served with the Qwen3.5 tokenizer)."""
+    d = tmp_path_factory.mktemp("vl-full")
+    R.save_qwen3_5_vl("mixed-gqa", d, seed=7, vocab=248320)
+    return lev_jax.load(str(d), dtype="float32", calibration=None), d
+
+
+QUESTIONS = {
+    "damaged": {"type": "noul", "instructions": "Is the parcel damaged?"},
+    "kind": {
+        "type": "choice",
+        "instructions": "What is shown?",
+        "criteria": {"parcel": "a box", "letter": None, "pallet": "goods on a pallet"},
+    },
+    "quality": {"type": "score", "instructions": "Photo quality?", "criteria": ["poor", "fair", "good"]},
+}
+
+
+def _probs(answers):
+    out = {}
+    for qid, a in answers.items():
+        out[qid] = [a["noul"]] if a["type"] == "noul" else list(a["probabilities"].values())
+    return out
+
+
+def test_predict_with_images_equals_independent_full_forwards(vl_engine):
+    engine, _ = vl_engine
+    rng = np.random.default_rng(3)
+    images = {"<image:front>": _png(rng, (40, 56)), "<image:label>": _png(rng, (32, 24))}
+    state = {"photos": ["<image:front>", "<image:label>"], "note": "Delivered <image:front> at noon."}
+    fast, usage = engine.predict_with_usage(state, QUESTIONS, images=images)
+    ref = engine.predict(state, QUESTIONS, images=images, reference=True)
+    for qid in QUESTIONS:
+        np.testing.assert_allclose(_probs(fast)[qid], _probs(ref)[qid], atol=1e-5, rtol=0)
+    # the front image is shown twice: each occurrence is its own run of image tokens
+    pre = {a: engine.backbone.vision.prepare(a, b) for a, b in images.items()}
+    assert usage["image_tokens"] == 2 * pre["<image:front>"].n_tokens + pre["<image:label>"].n_tokens
+    # invariant to the other questions of the request
+    alone = engine.predict(state, {"kind": QUESTIONS["kind"]}, images=images)
+    np.testing.assert_allclose(_probs(alone)["kind"], _probs(fast)["kind"], atol=1e-6, rtol=0)
+    # the pictures matter: another image in the same place changes the answer
+    other = {**images, "<image:front>": _png(np.random.default_rng(99), (40, 56))}
+    moved = engine.predict(state, QUESTIONS, images=other)
+    assert max(abs(a - b) for a, b in zip(_probs(moved)["kind"], _probs(fast)["kind"])) > 1e-4
+
+
+def test_a_repeated_image_runs_no_vision_tower(vl_engine):
+    engine, _ = vl_engine
+    vision = engine.backbone.vision
+    rng = np.random.default_rng(4)
+    png = _png(rng, (48, 48))
+    images = {"<image:x>": png}
+    first, u1 = engine.predict_with_usage("Look at <image:x> closely.", QUESTIONS, images=images)
+    runs = vision.tower_runs
+    # the same state: the whole prefix is cached
+    again, u2 = engine.predict_with_usage("Look at <image:x> closely.", QUESTIONS, images=images)
+    assert vision.tower_runs == runs and u2["cached_image_tokens"] == u2["image_tokens"] == u1["image_tokens"]
+    assert _probs(again) == _probs(first)
+    # another state, the same picture re-encoded with other compression: features come from the cache
+    buf = io.BytesIO()
+    Image.open(io.BytesIO(png)).save(buf, format="PNG", compress_level=1)
+    assert buf.getvalue() != png
+    _, u3 = engine.predict_with_usage("Another view: <image:y>", QUESTIONS, images={"<image:y>": buf.getvalue()})
+    assert vision.tower_runs == runs and u3["cached_image_tokens"] == u3["image_tokens"] > 0
+    hits = vision.cache.stats()["hits"]
+    assert hits >= 1 and engine.info()["vision"]["feature_cache"]["hits"] == hits
+
+
+def test_image_errors_are_clear(vl_engine):
+    engine, _ = vl_engine
+    rng = np.random.default_rng(5)
+    png = _png(rng, (16, 16))
+    q = {"damaged": QUESTIONS["damaged"]}
+    with pytest.raises(ImageError, match="<image:bad>"):
+        engine.predict("See <image:bad>", q, images={"<image:bad>": png[: len(png) // 2]})
+    with pytest.raises(RequestError, match="not referenced in the state"):
+        engine.predict("No picture here", q, images={"<image:a>": png})
+    with pytest.raises(RequestError, match="images are read in the state only"):
+        engine.predict(
+            "See <image:a>",
+            {"d": {"type": "noul", "instructions": "Is <image:a> damaged?"}},
+            images={"<image:a>": png},
+        )
+    with pytest.raises(RequestError, match="image placeholder token"):
+        engine.predict("See <image:a> and <|image_pad|>", q, images={"<image:a>": png})
+    text_only = lev_jax.Engine(tiny_backbone("qwen3_5"))
+    assert not text_only.supports_images
+    with pytest.raises(RequestError, match="text-only"):
+        text_only.predict("See <image:a>", q, images={"<image:a>": png})

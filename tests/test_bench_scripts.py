@@ -215,3 +215,12 @@ def test_cold_start_table_and_markdown():
     assert "| cold | `--no-warmup` | 12.50 | 12.50 | 4.250 | 0.750 |" in md
     assert "| warmup | `(defaults)` | – | – | – | – |" in md
     assert "**0.25**" in md and "- PASS: x" in md
+
+
+def test_bench_images_arguments():
+    from scripts import bench_images as B
+
+    args = B.parse_args(["--size", "64", "--repeats", "2"])
+    assert (args.size, args.repeats, args.model) == (64, 2, None)
+    with pytest.raises(SystemExit):
+        B.parse_args(["--size", "8"])

@@ -214,3 +214,81 @@ def test_image_errors_are_clear(vl_engine):
     assert not text_only.supports_images
     with pytest.raises(RequestError, match="text-only"):
         text_only.predict("See <image:a>", q, images={"<image:a>": png})
+
+
+# ------------------------------------------------------------------ the server with a vision checkpoint
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG whose header declares width x height pixels (valid chunks, no real pixel data)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+
+
+def test_served_vision_checkpoint_reads_sdk_images_and_refuses_bad_ones(vl_engine, tmp_path):
+    import base64
+
+    import httpx
+    from typesafe_sdk import Choice, Noul, TypeSafeClient
+    from typesafe_sdk import Image as SdkImage
+
+    from lev_jax.server.testing import ServerProcess
+
+    _, ckpt = vl_engine
+    png = _png(np.random.default_rng(6), (40, 32))
+    with ServerProcess(["--checkpoint", str(ckpt)], log_path=tmp_path / "serve.log") as server:
+        health = httpx.get(server.url + "/health").json()
+        assert health["supports_images"] and health["vision"]["max_images_per_request"] >= 1
+        assert health["vision"]["pixel_budget"] == 512 * 512 and health["vision"]["max_image_bytes"] > 0
+        img = SdkImage(png)
+        questions = {
+            "damaged": Noul(instructions="Is the parcel damaged?"),
+            "kind": Choice(instructions="What is shown?", criteria={"parcel": None, "letter": None}),
+        }
+        with TypeSafeClient(api_key="unused", base_url=server.url, timeout=120) as c:
+            with c.attach_assets(img):  # multipart, as the SDK sends images
+                r = c.system_one(state=f"Parcel photo: {img}", questions=questions)
+        assert 0 <= r.nouls["damaged"].noul <= 1 and r.choices["kind"].choice in {"parcel", "letter"}
+        assert abs(sum(r.choices["kind"].probabilities.values()) - 1) < 1e-6
+
+        def post(data: bytes, alias="<image:p>", fmt="png"):
+            body = {
+                "model": "jev-latest",
+                "state": f"See {alias}",
+                "questions": {"q": {"type": "noul", "instructions": "Damaged?"}},
+                "assets": {alias: {"type": "image", "format": fmt, "data_base64": base64.b64encode(data).decode()}},
+            }
+            return httpx.post(server.url + "/v1/systemone", json=body, timeout=120)
+
+        ok = post(png)
+        assert ok.status_code == 200, ok.text
+        again = post(png).json()  # the same picture: no vision tower, cached image tokens
+        assert again["x_cached_image_tokens"] == again["x_image_tokens"] > 0
+        metrics = httpx.get(server.url + "/metrics").text
+        assert "lev_image_feature_cache_hits_total" in metrics and "lev_vision_tower_runs_total" in metrics
+        for data, status, words in (
+            (png[: len(png) // 2], 400, "<image:p>"),  # truncated PNG
+            (b"%PDF-1.4\n1 0 obj\n<<>>\nendobj\n", 400, "not a PNG or JPEG"),  # a PDF named .png
+            (_png_header(20000, 20000), 413, "<image:p>"),  # 400 megapixels declared in a few bytes
+        ):
+            bad = post(data)
+            assert bad.status_code == status and words in bad.json()["detail"]["message"], bad.text
+        assert httpx.get(server.url + "/health").status_code == 200  # nothing crashed
+
+
+def test_the_pixel_budget_is_configurable(vl_engine):
+    engine, ckpt = vl_engine
+    png = _png(np.random.default_rng(8), (96, 96))
+    small = lev_jax.load(str(ckpt), dtype="float32", calibration=None, image_pixel_budget=32 * 32)
+    assert small.info()["vision"]["pixel_budget"] == 32 * 32
+    n_small = small.backbone.vision.prepare("a", png).n_tokens
+    n_default = engine.backbone.vision.prepare("a", png).n_tokens
+    assert n_small * 8 <= n_default  # 96 x 96 kept whole by default (144 tokens), 32 x 32 (16) on a budget
+    with pytest.raises(ValueError, match="text-only"):
+        lev_jax.load(tiny_backbone("llama"), image_pixel_budget=1024)

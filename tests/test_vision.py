@@ -292,3 +292,37 @@ def test_the_pixel_budget_is_configurable(vl_engine):
     assert n_small * 8 <= n_default  # 96 x 96 kept whole by default (144 tokens), 32 x 32 (16) on a budget
     with pytest.raises(ValueError, match="text-only"):
         lev_jax.load(tiny_backbone("llama"), image_pixel_budget=1024)
+
+
+def test_micro_batches_mixing_image_and_text_states_equal_full_forwards(vl_engine):
+    """A server's micro-batch: image and text prefixes stacked in one cache (each continuing from its
+    own M-RoPE position), question headers as segments over them, a long row read chunk by chunk."""
+    engine, _ = vl_engine
+    rng = np.random.default_rng(9)
+    a, b = _png(rng, (40, 40)), _png(rng, (24, 48))
+    why = "Given the photo, the courier's note and the customer's history, decide carefully. " * 8
+    headed = {"type": "choice", "instructions": why, "criteria": {"refund": None, "resend": None, "wait": None}}
+    many = {
+        "type": "choice",
+        "instructions": "Which department handles it?",
+        "criteria": {f"Department {i}": f"handles delivery case type {i} with care" for i in range(40)},
+    }
+    requests = [
+        ("Photo <image:a>", {"kind": QUESTIONS["kind"], "headed": headed}, {"<image:a>": a}),
+        (
+            "Two photos: <image:a> then <image:b>",
+            {"many": many, "damaged": QUESTIONS["damaged"]},
+            {"<image:a>": a, "<image:b>": b},
+        ),
+        ("A text-only state about a parcel.", {"headed": headed, "quality": QUESTIONS["quality"]}, None),
+    ]
+    plans = [engine.plan(s, q, i) for s, q, i in requests]
+    assert any(len(r.tokens) > 512 for r in plans[1].rows)  # the 40-option rows are read chunk by chunk
+    assert engine.executor.segment_plan(
+        [r for p in plans for r in p.rows], [k for k, p in enumerate(plans) for _ in p.rows]
+    )
+    batch = engine.predict_many([(p, None) for p in plans])
+    for (state, questions, images), got in zip(requests, batch):
+        want = engine.predict(state, questions, images=images, reference=True)
+        for qid in questions:
+            np.testing.assert_allclose(_probs(got)[qid], _probs(want)[qid], atol=1e-5, rtol=0)

@@ -3,7 +3,8 @@
     cache = {
         "offset": int32[]         next slot to write (all rows share it: suffixes are right-padded),
         "valid":  bool[Bc, S]     which slots hold a real token (bucket padding and suffix padding don't),
-        "pos":    int32[Bc]       position of the next real token per row (= real tokens seen so far),
+        "pos":    int32[Bc]       position of the next real token per row (= real tokens seen so far; after
+                                  a prefix with images, its largest M-RoPE position + 1),
         "layers": tuple           per layer: {"k": [Bc, K, D, S], "v": [Bc, K, S, D]} for attention layers
                                   (keys stored transposed: scores are then plain [R, D] x [D, S] matmuls),
                                   {"conv": [Bc, Kconv-1, C], "state": f32[Bc, H, Dk, Dv]} for DeltaNet layers,

@@ -249,13 +249,24 @@ class Engine:
 def load_backbone(path_or_hub_id=None, dtype: str = "auto") -> Backbone:
     """`lev_jax.backbone.load_backbone`, and a training run directory (`python -m train --out
     RUN_DIR`): its newest readable checkpoint with the adapter merged. `dtype`: as in `load`."""
-    from lev_jax.training import run
+    from lev_jax.training import release, run
 
     dtype = runtime.resolve_dtype(dtype)
 
     if path_or_hub_id is not None and run.is_run(path_or_hub_id):
         return run.load_run(path_or_hub_id, dtype)[0]
+    if path_or_hub_id is not None and release.is_release(path_or_hub_id):
+        return release.load_release(path_or_hub_id, dtype)[0]
+    if path_or_hub_id is not None and _is_adapter(path_or_hub_id):
+        return release.load_peft(path_or_hub_id, dtype=dtype)
     return backbone_lib.load_backbone(path_or_hub_id, dtype=dtype)
+
+
+def _is_adapter(path) -> bool:
+    """A peft adapter directory (not a full checkpoint that happens to hold an adapter too)."""
+    from lev_jax.loaders import peft
+
+    return peft.is_peft_dir(path) and not (Path(path) / "config.json").is_file()
 
 
 def load(
@@ -270,7 +281,8 @@ def load(
     **engine_kwargs,
 ) -> Engine:
     """An engine over `model` (None = the embedded default, a checkpoint directory, a .gguf file, a
-    hub id, a training run directory, or an already loaded Backbone). `calibration`: "auto"
+    hub id, a training run directory, a release directory (`python -m train release`), a peft
+    LoRA adapter directory on the base its adapter_config names, or an already loaded Backbone). `calibration`: "auto"
     (calibration.json beside the weights or in the run, else the profile shipped for the backbone,
     else none), a path, a Calibration, or None. `dtype`: "auto" (bfloat16 weights with fp32
     accumulation where the device multiplies bf16 natively, else float32; `lev_jax.runtime`),
@@ -290,12 +302,19 @@ def load(
     if isinstance(model, Backbone):
         bb = model
     else:
-        from lev_jax.training import run
+        from lev_jax.training import release, run
 
         if model is not None and run.is_run(model):
             bb, run_cal, meta = run.load_run(model, dtype)
             settings.update(meta["engine"])
             served = f"{model}@step {meta['step']}"
+        elif model is not None and release.is_release(model):
+            bb, run_cal, manifest = release.load_release(model, dtype)
+            settings.update(manifest["engine"])
+            served = f"release {manifest['name']}"
+        elif model is not None and _is_adapter(model):
+            bb = release.load_peft(model, dtype=dtype)
+            served = f"peft adapter {model}"
         else:
             bb = backbone_lib.load_backbone(model, dtype=dtype)
     if image_pixel_budget is not None:

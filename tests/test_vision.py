@@ -326,3 +326,17 @@ def test_micro_batches_mixing_image_and_text_states_equal_full_forwards(vl_engin
         want = engine.predict(state, questions, images=images, reference=True)
         for qid in questions:
             np.testing.assert_allclose(_probs(got)[qid], _probs(want)[qid], atol=1e-5, rtol=0)
+
+
+def test_concurrent_requests_for_one_new_picture_run_the_tower_once(vl_engine):
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine, _ = vl_engine
+    vision = engine.backbone.vision
+    image = vision.prepare("<image:z>", _png(np.random.default_rng(10), (56, 40)))
+    runs = vision.tower_runs
+    with ThreadPoolExecutor(4) as pool:
+        out = list(pool.map(lambda _: vision.features(image), range(4)))
+    assert vision.tower_runs == runs + 1 and sum(not cached for _, cached in out) == 1
+    for feats, _ in out:
+        np.testing.assert_array_equal(feats, out[0][0])

@@ -61,7 +61,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "--checkpoint",
         dest="model",
         default=None,
-        help="checkpoint directory, .gguf file, training run directory or hub id (default: the embedded SmolLM2-135M)",
+        help="checkpoint directory (a Qwen3.5 VL one reads images), .gguf file, training run directory, release "
+        "directory (python -m train release), peft adapter directory, or hub id (default: the embedded SmolLM2-135M)",
     )
     p.add_argument(
         "--image-pixels",

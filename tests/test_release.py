@@ -198,3 +198,40 @@ def test_served_release_answers_the_sdk(released, tmp_path):
                 },
             )
         assert 0 <= r.nouls["late"].noul <= 1 and r.choices["team"].choice in {"Billing", "Shipping"}
+
+
+def test_release_card_carries_a_levbench_evaluation(released, tmp_path):
+    """`--eval DIR`: a levbench evaluation of the run (reports, reliability PNGs) goes into the release,
+    its table into the card and its metrics into the manifest."""
+    from lev_jax.bench import harness as H
+    from lev_jax.bench.clients import InProcessClient
+    from lev_jax.bench.evalset import EvalSet
+
+    run_dir, _ = released
+    questions = {"urgent": {"type": "noul", "instructions": "Is this urgent?"}}
+    states = ["My parcel is late.", "Thanks, all good.", "Refund me now!", "Where is my order?"]
+    es = EvalSet(
+        "tiny-held-out",
+        questions,
+        [{"state": s, "labels": {"urgent": i % 2 == 0}} for i, s in enumerate(states)],
+        {"split": "tiny-test"},
+    )
+    es.save(tmp_path / "tiny-held-out.json")
+    H.evaluate(
+        InProcessClient(lev_jax.load(str(run_dir))),
+        [H.SetSpec(tmp_path / "tiny-held-out.json")],
+        tmp_path / "eval",
+        progress=False,
+    )
+    rel = tmp_path / "rel"
+    p = _train("release", "--run", str(run_dir), "--out", str(rel), "--eval", str(tmp_path / "eval"))
+    assert p.returncode == 0, p.stderr[-2000:]
+    m = json.loads((rel / "lev_release.json").read_text())
+    [task] = m["metrics"]
+    assert task["task"] == "tiny-held-out" and task["n"] == 4 and 0 <= task["metrics"]["accuracy"] <= 1
+    assert (rel / "eval" / "tiny-held-out.reliability.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    card = (rel / "README.md").read_text()
+    assert (
+        "| tiny-held-out | 4 |" in card and "![tiny-held-out.reliability](eval/tiny-held-out.reliability.png)" in card
+    )
+    assert "eval/tiny-held-out.reliability.png" in m["files"]

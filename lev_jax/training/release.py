@@ -76,7 +76,7 @@ def _eval_summary(eval_dir: Path | None) -> list[dict]:
     out = []
     for task in doc.get("tasks", []):
         metrics = task.get("metrics") or {}
-        out.append({"task": task.get("task"), "n": task.get("n"), "metrics": metrics})
+        out.append({"task": task.get("task"), "n": task.get("n_items"), "metrics": metrics})
     return out
 
 
@@ -102,11 +102,12 @@ def _card(manifest: dict) -> str:
     ]
     tasks = manifest["metrics"]
     if tasks:
-        names = ["accuracy", "macro_f1", "ece", "brier", "nll"]
+        names = ["accuracy", "macro_accuracy", "ece", "ece_floor", "brier", "nll", "rstd"]
         lines += ["| task | n | " + " | ".join(names) + " |", "|---|---:|" + "---:|" * len(names)]
         for t in tasks:
             vals = [t["metrics"].get(k) for k in names]
-            cells = ["" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v) for v in vals]
+            vals = [v.get("mean") if isinstance(v, dict) else v for v in vals]  # ece_floor: {mean, p95}
+            cells = ["-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v) for v in vals]
             lines.append(f"| {t['task']} | {t['n']} | " + " | ".join(cells) + " |")
         pngs = sorted(p for p in manifest["files"] if p.startswith(EVAL_DIR + "/") and p.endswith(".png"))
         lines += [""] + [f"![{Path(p).stem}]({p})" for p in pngs]

@@ -43,6 +43,17 @@ def choice_text(instructions: str, options: list[tuple[str, object]], codes: lis
     return f"Question: {instructions}\nOptions:\n" + "\n".join(lines) + "\nAnswer with the letter of the best option."
 
 
+def choice_pieces_marked(instructions: str, options: list[tuple[str, object]]) -> tuple[str, list[str], str]:
+    """Mode B's layout of a choice: (the text before the first option, one line per option in
+    presentation order, the text after the last). The reserved marker token follows each option line
+    (inserted as a token id, never parsed from text): the scorer head reads the hidden state there."""
+    lines = []
+    for key, desc in options:
+        d = render_value(desc)
+        lines.append(f"- {key}: {d}" if d else f"- {key}")
+    return f"Question: {instructions}\nOptions:\n", lines, "\nWhich option fits best?"
+
+
 def score_text(instructions: str, levels: list[str], codes: list[str]) -> str:
     lines = [f"{code}) {level}" for code, level in zip(codes, levels)]
     return (

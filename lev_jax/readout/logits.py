@@ -86,6 +86,40 @@ def rows_label_logits(
     return models.label_logits(params, hidden_BRE[:, 0], label_ids_BC, cfg)
 
 
+def rows_marker_scores(
+    params,
+    head,
+    cache,
+    prefix_B,
+    tokens_BT,
+    valid_BT,
+    markers_BR,
+    cfg,
+    *,
+    anchored: bool = False,
+    remat: str = "none",
+):
+    """[B, R] fp32 Mode B scores of B rows continuing `cache` (as `rows_label_logits`): the scorer
+    `head` (readout.modeb) applied to the final-normed hidden state at each row's R marker positions
+    (padding markers point anywhere in the row; the caller masks them)."""
+    from lev_jax.readout import modeb
+
+    if prefix_B is not None:
+        cache = cache_lib.index_rows(cache, prefix_B)
+    hidden_BRE, _ = models.forward(
+        params,
+        tokens_BT,
+        cache,
+        cfg,
+        valid_BT=valid_BT,
+        readout_BR=markers_BR,
+        cache_write=models.CacheWrite.NONE,
+        anchored_softmax=anchored,
+        remat=remat,
+    )
+    return modeb.head_scores(head, hidden_BRE)
+
+
 def prefixed_label_logits(
     params,
     prefix_EP,
@@ -113,6 +147,12 @@ def read_rows(params, cache, prefix_B, tokens_BT, valid_BT, answer_B, label_ids_
     return rows_label_logits(
         params, cache, prefix_B, tokens_BT, valid_BT, answer_B, label_ids_BC, cfg, anchored=anchored
     )
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "anchored"))
+def read_marker_rows(params, head, cache, prefix_B, tokens_BT, valid_BT, markers_BR, cfg, anchored=True):
+    """Mode B rows: `rows_marker_scores`, one program per (rows, length, markers) bucket."""
+    return rows_marker_scores(params, head, cache, prefix_B, tokens_BT, valid_BT, markers_BR, cfg, anchored=anchored)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "anchored"))
@@ -166,6 +206,7 @@ def compiled_programs() -> int:
     """Row, segment and long-row programs compiled so far in this process."""
     return (
         read_rows._cache_size()
+        + read_marker_rows._cache_size()
         + read_segment_rows._cache_size()
         + compute_segments._cache_size()
         + extend_cache._cache_size()

@@ -152,7 +152,10 @@ def normalize_question(qid, q) -> dict:
         raise RequestError(f"question {qid!r} must be an object")
     qtype = q.get("type")
     if qtype == "box":
-        raise RequestError(f"question {qid!r}: this model cannot locate boxes (type 'box' needs a vision model)")
+        raise RequestError(
+            f"question {qid!r}: this engine cannot locate boxes (type 'box' asks for coordinates; "
+            "it reads decisions: noul, choice, score)"
+        )
     if qtype not in domain.QUESTION_TYPES:
         raise RequestError(f"question {qid!r}: unknown type {qtype!r}; expected one of {domain.QUESTION_TYPES}")
     instructions = q.get("instructions")

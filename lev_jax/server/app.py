@@ -241,7 +241,7 @@ def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> Fa
         if boxes:
             raise E.usage_error(
                 f"Model {model_name} cannot locate boxes: question {boxes[0]!r} has type 'box', "
-                "which needs a vision model; use noul, choice or score"
+                "which asks for coordinates; this server reads decisions: use noul, choice or score"
             )
         images = body_lib.resolve_assets(req.assets, parts, req.state, req.questions)
         if images and not engine.supports_images:

@@ -74,9 +74,10 @@ class ScoreQuestion(_Strict):
 
 
 class BoxQuestion(_Strict):
-    """Accepted by the schema (the official API has it) but answered 400: this server has no vision model."""
+    """Accepted by the schema (the official API has it) but answered 400: this server reads decisions
+    (noul, choice, score) and locates nothing, also with a vision model."""
 
-    type: Literal["box"] = Field(description="Locate something in an image (needs a vision model).")
+    type: Literal["box"] = Field(description="Locate something in an image (not answered here).")
     instructions: StructuredText | None = Field(None, description="What to locate.")
 
 

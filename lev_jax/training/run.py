@@ -114,6 +114,7 @@ def merged(cfg: TrainConfig, base, trainable, step: int, dtype: str):
         name=model_name(base.name, cfg, step),
         source=str(cfg.model),
         hf_config=base.hf_config,
+        vision=base.vision,  # a VL base's tower is not trained: the served model still reads images
     )
 
 

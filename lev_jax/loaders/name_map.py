@@ -65,6 +65,18 @@ def apply_transform(arr: np.ndarray, transform):
     return arr
 
 
+def check_complete(source: str, missing, unexpected, misshaped) -> None:
+    """The loader's one-error report: every missing, unexpected and mis-shaped tensor of a
+    checkpoint in one CheckpointError (nothing raised when all three are empty)."""
+    if missing or unexpected or misshaped:
+        lines = [f"cannot load {source}:"]
+        for title, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
+            if items:
+                shown = ", ".join(items[:20]) + (f", ... ({len(items)} in all)" if len(items) > 20 else "")
+                lines.append(f"  {title} tensors: {shown}")
+        raise CheckpointError("\n".join(lines))
+
+
 def assemble(named_tensors, abstract, cast, *, tied: bool, source: str):
     """Fill the abstract parameter tree from (hf_name, array) pairs.
 
@@ -90,13 +102,7 @@ def assemble(named_tensors, abstract, cast, *, tied: bool, source: str):
             continue
         filled[path] = cast(path, value)
     missing = [".".join(map(str, p)) for p in expected if p not in filled]
-    if missing or unexpected or misshaped:
-        lines = [f"cannot load {source}:"]
-        for title, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
-            if items:
-                shown = ", ".join(items[:20]) + (f", ... ({len(items)} in all)" if len(items) > 20 else "")
-                lines.append(f"  {title} tensors: {shown}")
-        raise CheckpointError("\n".join(lines))
+    check_complete(source, missing, unexpected, misshaped)
     params: dict = {}
     for path, value in filled.items():
         node = params

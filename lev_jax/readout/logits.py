@@ -53,6 +53,25 @@ def pack_prefixes(prefixes: Sequence[Sequence[int]], n: int, length: int) -> tup
     return tokens, valid
 
 
+def rows_hidden(params, cache, prefix_B, tokens_BT, valid_BT, readout_BR, cfg, anchored, remat):
+    """[B, R, E] final-normed hidden states at `readout_BR` of B rows continuing `cache` (one shared
+    prefix, or row b reading prefix `prefix_B[b]` of a stacked cache in place); nothing is written."""
+    if prefix_B is not None:
+        cache = cache_lib.index_rows(cache, prefix_B)
+    hidden_BRE, _ = models.forward(
+        params,
+        tokens_BT,
+        cache,
+        cfg,
+        valid_BT=valid_BT,
+        readout_BR=readout_BR,
+        cache_write=models.CacheWrite.NONE,
+        anchored_softmax=anchored,
+        remat=remat,
+    )
+    return hidden_BRE
+
+
 def rows_label_logits(
     params,
     cache,
@@ -70,19 +89,7 @@ def rows_label_logits(
     a cache stacking several prefixes, row b reading prefix `prefix_B[b]` in place
     (cache.index_rows). `anchored`: the anchored attention softmax (layers.attend); a row it cannot
     serve comes out NaN."""
-    if prefix_B is not None:
-        cache = cache_lib.index_rows(cache, prefix_B)
-    hidden_BRE, _ = models.forward(
-        params,
-        tokens_BT,
-        cache,
-        cfg,
-        valid_BT=valid_BT,
-        readout_BR=answer_B[:, None],
-        cache_write=models.CacheWrite.NONE,
-        anchored_softmax=anchored,
-        remat=remat,
-    )
+    hidden_BRE = rows_hidden(params, cache, prefix_B, tokens_BT, valid_BT, answer_B[:, None], cfg, anchored, remat)
     return models.label_logits(params, hidden_BRE[:, 0], label_ids_BC, cfg)
 
 
@@ -104,19 +111,7 @@ def rows_marker_scores(
     (padding markers point anywhere in the row; the caller masks them)."""
     from lev_jax.readout import modeb
 
-    if prefix_B is not None:
-        cache = cache_lib.index_rows(cache, prefix_B)
-    hidden_BRE, _ = models.forward(
-        params,
-        tokens_BT,
-        cache,
-        cfg,
-        valid_BT=valid_BT,
-        readout_BR=markers_BR,
-        cache_write=models.CacheWrite.NONE,
-        anchored_softmax=anchored,
-        remat=remat,
-    )
+    hidden_BRE = rows_hidden(params, cache, prefix_B, tokens_BT, valid_BT, markers_BR, cfg, anchored, remat)
     return modeb.head_scores(head, hidden_BRE)
 
 

@@ -36,10 +36,6 @@ class ImagePrefix(list):
         super().__init__(ids)
         self.images = tuple(images)
 
-    @property
-    def image_tokens(self) -> int:
-        return sum(img.n_tokens for img in self.images)
-
 
 def prefix_key(prefix_ids) -> tuple:
     """The cross-request cache key of a prefix: its ids, and the content keys of its images."""

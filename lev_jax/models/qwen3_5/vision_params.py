@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lev_jax.errors import CheckpointError
-from lev_jax.loaders import hf
+from lev_jax.loaders import hf, name_map
 from lev_jax.models.qwen3_5.vision import VisionConfig, abstract_params
 
 # Where checkpoints put the tower: transformers 5 nests it under model., older exports did not.
@@ -68,11 +67,5 @@ def load(ckpt_dir, cfg: VisionConfig, dtype="float32") -> dict:
             continue
         filled[path] = jnp.asarray(value.astype(dt))
     missing = [PREFIXES[0] + hf_name for hf_name, path in expected.items() if path not in filled]
-    if missing or unexpected or misshaped:
-        lines = [f"cannot load the vision tower of {ckpt_dir}:"]
-        for title, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
-            if items:
-                shown = ", ".join(items[:20]) + (f", ... ({len(items)} in all)" if len(items) > 20 else "")
-                lines.append(f"  {title} tensors: {shown}")
-        raise CheckpointError("\n".join(lines))
+    name_map.check_complete(f"the vision tower of {ckpt_dir}", missing, unexpected, misshaped)
     return jax.tree_util.tree_unflatten(treedef, [filled[path] for path, _ in leaves])

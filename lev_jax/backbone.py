@@ -73,6 +73,8 @@ class Backbone:
         self.source = source
         self.hf_config = hf_config or {}
         self.vision = vision  # lev_jax.vision.Vision of a vision-language checkpoint, else None
+        # the Mode B scorer head (readout.modeb) of a run or release trained with one, else None
+        self.mode_b_head = None
 
     @property
     def dtype(self) -> str:
@@ -94,6 +96,22 @@ class Backbone:
             raise ValueError(f"attention_mask shape {valid.shape} != token_ids shape {tokens.shape}")
         mm = _multimodal_args(embeds, embeds_mask, positions)
         return _logits(self.params, tokens, valid, self.config, *mm)
+
+    def hidden_at(self, token_ids_BT, readout_BR, *, embeds=None, embeds_mask=None, positions=None):
+        """Final-normed hidden states [B, R, E] at `readout_BR` of whole sequences (one forward, no
+        cache): what a Mode B head reads, for verification."""
+        tokens = jnp.asarray(np.asarray(token_ids_BT, dtype=np.int32))
+        mm = _multimodal_args(embeds, embeds_mask, positions)
+        hidden, _ = _extend(
+            self.params,
+            tokens,
+            jnp.ones(tokens.shape, bool),
+            jnp.asarray(readout_BR, jnp.int32),
+            None,
+            self.config,
+            *mm,
+        )
+        return hidden
 
     # -- the forkable state cache -------------------------------------------------------------
     def prefill(

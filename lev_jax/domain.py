@@ -20,7 +20,8 @@ NOUL_CRITERIA_ALIASES = {"yes": "true", "no": "false"}
 LETTER = "letter"  # one letter code per option / level (choice, score)
 BINARY = "binary"  # noul read as [Yes, No]
 RATING = "rating"  # noul read as a 0..8 rating; P(yes) is its expectation / 8
-READOUT_MODES = (LETTER, BINARY, RATING)
+MARKER = "marker"  # Mode B: a trained head scores the reserved marker after each option (readout.modeb)
+READOUT_MODES = (LETTER, BINARY, RATING, MARKER)
 NOUL_READOUTS = (BINARY, RATING)
 
 YES_NO = ("Yes", "No")  # the binary noul codes, in readout order [yes, no]
@@ -35,6 +36,11 @@ MAX_ORDERED_LEVELS = max(SCORE_LEVELS[1], RATING_LEVELS)  # the most levels an o
 BANDS = ("small", "mid", "large")
 BAND_RANGES: dict[str, tuple[int, int | None]] = {"small": (2, 8), "mid": (9, 26), "large": (27, None)}
 BANDED_QTYPES = frozenset({CHOICE})  # question types whose temperature is looked up per band
+
+
+# Mode B reads a choice of at least this many options where a head is loaded (the large band: there
+# Mode A's one row lists every option with a code, or splits into groups and a second round)
+MODE_B_MIN_OPTIONS = BAND_RANGES["large"][0]
 
 
 def band_of(n_options: int) -> str:

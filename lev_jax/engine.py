@@ -58,6 +58,8 @@ class Engine:
         model_name: str | None = None,
         checkpoint: str | None = None,
         prefix_cache_bytes: int = 256 << 20,
+        mode_b: bool = True,
+        mode_b_min_options: int = domain.MODE_B_MIN_OPTIONS,
     ):
         if backbone.tokenizer is None:
             raise ValueError("predict() needs a tokenizer; this checkpoint ships none")
@@ -70,6 +72,9 @@ class Engine:
             noul_readout=noul_readout,
             option_averaging=option_averaging,
             vision=backbone.vision,
+            # Mode B where the backbone carries a trained head (mode_b=False reads everything with Mode A)
+            mode_b=mode_b and backbone.mode_b_head is not None,
+            mode_b_min_options=mode_b_min_options,
         )
         self.executor = readout.Executor(backbone, prefix_cache_bytes=prefix_cache_bytes)
         self.calibration = calibration or Calibration.identity(model_name or backbone.name)
@@ -225,7 +230,11 @@ class Engine:
             "prompt_style": self.prompt_style,
             "layout": self.layout,
             "calibrated": not self.calibration.is_identity,
-            "mode_b": False,
+            "mode_b": (
+                {"marker": self.planner.marker[0], "min_options": self.planner.mode_b_min_options}
+                if self.planner.marker
+                else None
+            ),
             "supports_images": self.supports_images,
             "vision": None if self.backbone.vision is None else self.backbone.vision.info(),
             "noul_readout": self.noul_readout,

@@ -22,3 +22,12 @@ class ImageError(RequestError):
 
 class ImageTooLargeError(ImageError):
     """An image over the byte or pixel limits, detected before it is decoded (HTTP 413)."""
+
+
+class ReservedTextError(RequestError):
+    """Request text holding a token the model reserves for reading (Mode B's option marker): it
+    would be read as structure, so it is refused (HTTP 422, located at the offending field)."""
+
+    def __init__(self, message: str, loc: tuple = ()):
+        super().__init__(message)
+        self.loc = loc

@@ -43,15 +43,19 @@ def choice_text(instructions: str, options: list[tuple[str, object]], codes: lis
     return f"Question: {instructions}\nOptions:\n" + "\n".join(lines) + "\nAnswer with the letter of the best option."
 
 
-def choice_pieces_marked(instructions: str, options: list[tuple[str, object]]) -> tuple[str, list[str], str]:
+def choice_pieces_marked(
+    instructions: str, options: list[tuple[str, object]], state_block: str | None = None
+) -> tuple[str, list[str], str]:
     """Mode B's layout of a choice: (the text before the first option, one line per option in
     presentation order, the text after the last). The reserved marker token follows each option line
-    (inserted as a token id, never parsed from text): the scorer head reads the hidden state there."""
+    (inserted as a token id, never parsed from text): the scorer head reads the hidden state there.
+    `state_block` (schema first) stands between the question and the options."""
     lines = []
     for key, desc in options:
         d = render_value(desc)
         lines.append(f"- {key}: {d}" if d else f"- {key}")
-    return f"Question: {instructions}\nOptions:\n", lines, "\nWhich option fits best?"
+    state = f"\n{state_block}\n\n" if state_block else ""
+    return f"Question: {instructions}\n{state}Options:\n", lines, "\nWhich option fits best?"
 
 
 def score_text(instructions: str, levels: list[str], codes: list[str]) -> str:
@@ -117,8 +121,12 @@ class PromptFormat:
     def answer_context(self) -> str:
         return self.tail
 
+    @staticmethod
+    def state_block(state_text: str) -> str:
+        return f"State:\n{state_text}"
+
     def build(self, state_text: str, question_text: str, layout: str = "state_first") -> Prompt:
-        state_block = f"State:\n{state_text}"
+        state_block = self.state_block(state_text)
         if layout == "state_first":
             return Prompt(self.head + state_block + "\n\n", question_text + self.tail)
         if layout == "schema_first":

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from lev_jax import models, prompt
-from lev_jax.errors import RequestError
+from lev_jax.errors import ReservedTextError
 from lev_jax.readout import logits as logits_lib
 from lev_jax.readout import modeb
 from lev_jax.testing import tiny_backbone
@@ -24,7 +24,7 @@ def test_each_tokenizer_has_a_one_id_marker_and_text_with_it_is_refused(tiny):
     text, mid = modeb.marker_token(tiny.tokenizer)
     assert tiny.tokenizer.encode(text) == [mid] and mid in tiny.tokenizer.special_ids
     assert text == ("<empty_output>" if tiny.name == "tiny-llama" else "<|object_ref_end|>")
-    with pytest.raises(RequestError, match="reserves"):
+    with pytest.raises(ReservedTextError, match="reserves"):
         modeb.check_text(f"refund {text}", text, "option 'refund'")
     modeb.check_text("a plain option", text, "option 'x'")
 
@@ -54,9 +54,15 @@ def test_marker_scores_after_a_shared_prefix_equal_one_full_forward(tiny, n):
     for b, (t, m) in enumerate(rows):
         tokens[b, : len(t)], valid[b, : len(t)], markers[b] = t, True, m
     cache = bb.prefill(prefix)
+    answer = np.asarray([len(t) - 1 for t, _ in rows], np.int32)
     fast = np.asarray(
-        logits_lib.read_marker_rows(
-            bb.params, head, cache, None, jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(markers), bb.config
+        logits_lib.read_rows(
+            bb.params,
+            head,
+            cache,
+            None,
+            *map(jnp.asarray, (tokens, valid, answer, np.zeros((2, n), np.int32), markers, np.ones(2, bool))),
+            bb.config,
         )
     )
     for b, (t, m) in enumerate(rows):
@@ -78,3 +84,133 @@ def test_head_round_trips_through_named_tensors():
     del bad["mode_b_head.w2"]
     with pytest.raises(ValueError, match="mode_b_head.w2"):
         modeb.head_from_tensors(bad)
+
+
+# ------------------------------------------------------------------ predict(): the router and Mode B rows
+STATE = "A customer writes: my parcel from order #4471 is three days late and nobody answers."
+
+
+def _choice(n, instructions="Which queue should handle this?"):
+    return {"type": "choice", "instructions": instructions, "criteria": dict(_options(n))}
+
+
+def _probs(answer):
+    return np.asarray(list(answer["probabilities"].values()))
+
+
+@pytest.fixture(scope="module")
+def engine_b():
+    """A tiny Llama (SmolLM2 vocabulary) carrying a random Mode B head: large choices route to it."""
+    from lev_jax.engine import Engine
+
+    bb = tiny_backbone("llama", seed=2)
+    bb.mode_b_head = modeb.init_head(bb.config.hidden_size, width=32, seed=1)
+    return Engine(bb)
+
+
+def test_router_one_function():
+    from lev_jax.readout import MODE_A, MODE_A_GROUPED, MODE_B, route
+
+    assert route(4, 26, head=True) == MODE_A  # small: every option has a code
+    assert route(27, 702, head=True) == MODE_B  # large (the threshold) with a head
+    assert route(30, 26, head=True, min_options=100) == MODE_B  # codes split: the head reads it in one row
+    assert route(30, 26, head=False) == MODE_A_GROUPED  # codes split, no head: groups + round 2
+    assert route(151, 702, head=False) == MODE_A  # no head: never fails, Mode A reads it
+
+
+def test_large_choices_answer_through_mode_b_in_one_row_and_equal_full_forwards(engine_b):
+    qs = {"q151": _choice(151), "q255": _choice(255), "small": _choice(3, "Which of these?")}
+    plan = engine_b.plan(STATE, qs)
+    routes = {qp.qid: qp.route for qp in plan.questions}
+    assert routes == {"q151": "mode_b", "q255": "mode_b", "small": "mode_a"}
+    for qp in plan.questions[:2]:
+        [row] = qp.rows  # one row, whatever the option count
+        assert row.label_ids == [] and len(row.markers) == len(qp.question["criteria"])
+    fast = engine_b.predict(STATE, qs)
+    ref = engine_b.predict(STATE, qs, reference=True)  # one independent full forward per row
+    for q in qs:
+        p = _probs(fast[q])
+        assert abs(p.sum() - 1) < 1e-9 and fast[q]["choice"] == ref[q]["choice"]
+        np.testing.assert_allclose(p, _probs(ref[q]), atol=1e-5, rtol=0)
+    assert _probs(fast["q255"]).max() > 2.0 / 255  # a real (random-head) distribution, not uniform
+    # invariant to the other questions of the request
+    alone = engine_b.predict(STATE, {"q255": _choice(255)})
+    np.testing.assert_allclose(_probs(alone["q255"]), _probs(fast["q255"]), atol=1e-5, rtol=0)
+    # another state moves the answer
+    other = engine_b.predict("The invoice shows a double charge.", {"q255": _choice(255)})
+    assert np.abs(_probs(other["q255"]) - _probs(alone["q255"])).max() > 1e-4
+
+
+def test_mode_b_rows_of_a_stacked_micro_batch_equal_full_forwards(engine_b):
+    """Two requests in one micro-batch (stacked prefixes): each long marked row reads its own prefix,
+    chunk by chunk, markers scored inside the chunks."""
+    reqs = [(STATE, {"q": _choice(151)}), ("Please cancel my subscription today.", {"q": _choice(60), "s": _choice(2)})]
+    fast = engine_b.predict_many(reqs)
+    for (state, qs), got in zip(reqs, fast):
+        ref = engine_b.predict(state, qs, reference=True)
+        for q in qs:
+            np.testing.assert_allclose(_probs(got[q]), _probs(ref[q]), atol=1e-5, rtol=0)
+
+
+def test_schema_first_mode_b_row_reads_the_state_before_the_options():
+    from lev_jax.engine import Engine
+
+    bb = tiny_backbone("llama", seed=2)
+    bb.mode_b_head = modeb.init_head(bb.config.hidden_size, width=32, seed=1)
+    eng = Engine(bb, layout="schema_first", option_averaging=False)
+    qs = {"q": _choice(40)}
+    [row] = eng.plan(STATE, qs).questions[0].rows
+    text = bb.tokenizer.decode(row.tokens[: row.markers[0]])
+    assert text.index("Which queue") < text.index("nobody answers") < text.index("Queue 000")
+    fast, ref = eng.predict(STATE, qs), eng.predict(STATE, qs, reference=True)
+    np.testing.assert_allclose(_probs(fast["q"]), _probs(ref["q"]), atol=1e-5, rtol=0)
+
+
+def test_without_a_head_large_and_split_choices_use_mode_a(engine_b):
+    from lev_jax.engine import Engine
+
+    plain = Engine(engine_b.backbone, mode_b=False)
+    assert plain.info()["mode_b"] is None and engine_b.info()["mode_b"]["marker"] == "<empty_output>"
+    assert [qp.route for qp in plain.plan(STATE, {"q": _choice(151)}).questions] == ["mode_a"]
+    plain.planner.group_size = 26  # as with a tokenizer that has only single letters: codes split
+    qp = plain.plan(STATE, {"q": _choice(60)}).questions[0]
+    assert qp.route == "mode_a_grouped" and len(qp.groups) == 3
+    p = _probs(plain.predict(STATE, {"q": _choice(60)})["q"])
+    assert abs(p.sum() - 1) < 1e-9
+    # with the head, the split codes route to Mode B below the size threshold too
+    engine_b.planner.group_size, saved = 26, engine_b.planner.group_size
+    try:
+        engine_b.planner.mode_b_min_options, saved_min = 100, engine_b.planner.mode_b_min_options
+        assert engine_b.plan(STATE, {"q": _choice(30)}).questions[0].route == "mode_b"
+    finally:
+        engine_b.planner.group_size, engine_b.planner.mode_b_min_options = saved, saved_min
+
+
+def test_request_text_holding_the_marker_is_refused_and_the_server_says_422(engine_b):
+    import httpx
+
+    from lev_jax.server import ServerConfig, create_app
+    from lev_jax.server.testing import ThreadServer
+
+    marker = "<empty_output>"
+    bad_option = {"type": "choice", "criteria": {**dict(_options(30)), f"x{marker}": None}}
+    with pytest.raises(ReservedTextError, match="reserves"):
+        engine_b.plan(STATE, {"q": bad_option})
+    with pytest.raises(ReservedTextError, match="the state"):
+        engine_b.plan(f"{STATE} {marker}", {"q": _choice(30)})
+    # a small (Mode A) question does not reserve the marker: its text is read as text
+    assert engine_b.plan(f"{STATE} {marker}", {"q": _choice(3)}).questions[0].route == "mode_a"
+    with ThreadServer(create_app(engine_b, ServerConfig(max_pending=8))) as s:
+
+        def post(questions, state=STATE):
+            body = {"model": "jev-latest", "state": state, "questions": questions}
+            return httpx.post(s.url + "/v1/systemone", json=body, timeout=120)
+
+        r = post({"q": bad_option})
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"][:3] == ["body", "questions", "q"]
+        r = post({"q": _choice(30)}, state=f"{STATE} {marker}")
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "state"]
+        r = post({"big": _choice(40), "small": _choice(2)})
+        assert r.status_code == 200 and r.json()["x_readout"] == {"big": "mode_b", "small": "mode_a"}
+        assert abs(sum(r.json()["answers"]["big"]["probabilities"].values()) - 1) < 1e-6
+        assert httpx.get(s.url + "/health").json()["mode_b"]["min_options"] == 27

@@ -235,3 +235,102 @@ def test_release_card_carries_a_levbench_evaluation(released, tmp_path):
         "| tiny-held-out | 4 |" in card and "![tiny-held-out.reliability](eval/tiny-held-out.reliability.png)" in card
     )
     assert "eval/tiny-held-out.reliability.png" in m["files"]
+
+
+# ------------------------------------------------------------------ a Mode B run, released and served
+@pytest.fixture(scope="module")
+def released_b(tmp_path_factory):
+    """`train --preset tiny --mode-b` (every choice of 3+ options read by the head, so the tiny
+    recipe's choices train it), then `release`."""
+    root = tmp_path_factory.mktemp("release-b")
+    run_dir, rel = root / "run", root / "rel"
+    p = _train(
+        "--preset", "tiny", "--mode-b", "--out", str(run_dir), "--steps", "4",
+        "--set", "checkpoint_every=4", "--set", "mode_b_min_options=3",
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert " marker " in p.stdout, p.stdout[-2000:]  # Mode B's own loss window in the progress line
+    p = _train("release", "--run", str(run_dir), "--out", str(rel))
+    assert p.returncode == 0 and "released" in p.stdout, p.stderr[-3000:]
+    return run_dir, rel
+
+
+def test_mode_b_release_carries_the_head_and_serves_what_the_run_serves(released_b):
+    from safetensors.numpy import load_file
+
+    run_dir, rel = released_b
+    m = json.loads((rel / "lev_release.json").read_text())
+    assert m["mode_b"] == {"head": "mode_b_head.safetensors", "min_options": 3}
+    assert "mode_b_head.safetensors" in m["files"] and "Mode B" in (rel / "README.md").read_text()
+    head = load_file(str(rel / "mode_b_head.safetensors"))
+    assert head["mode_b_head.w1"].dtype == np.float32 and head["mode_b_head.w1"].shape[1] == 256
+    q = {
+        "team": {"type": "choice", "criteria": {"Billing": None, "Shipping": "parcels", "Sales": None, "Legal": None}},
+        "two": {"type": "choice", "criteria": {"a": None, "b": None}},
+    }
+    from_run, from_release = (lev_jax.load(str(d), dtype="float32") for d in (run_dir, rel))
+    assert [qp.route for qp in from_release.plan("A state.", q).questions] == ["mode_b", "mode_a"]
+    assert (
+        from_run.info()["mode_b"] == from_release.info()["mode_b"] and from_release.info()["mode_b"]["min_options"] == 3
+    )
+    a, b = from_run.predict("A parcel is late.", q), from_release.predict("A parcel is late.", q)
+    for k in q:
+        np.testing.assert_allclose(
+            list(a[k]["probabilities"].values()), list(b[k]["probabilities"].values()), atol=1e-6, rtol=0
+        )
+    # without its head file the release is refused in one line, not served as Mode A silently
+    import shutil
+
+    broken = rel.parent / "broken"
+    shutil.copytree(rel, broken)
+    (broken / "mode_b_head.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="mode_b_head.safetensors"):
+        lev_jax.load(str(broken))
+
+
+def test_served_mode_b_release_answers_jevcompat_and_the_sdk(released_b, tmp_path):
+    import httpx
+    from typesafe_sdk import Choice, Noul, TypeSafeClient
+
+    from lev_jax.server.testing import ServerProcess
+
+    _, rel = released_b
+    with ServerProcess(["--checkpoint", str(rel)], log_path=tmp_path / "serve.log") as server:
+        assert httpx.get(server.url + "/health").json()["mode_b"]["min_options"] == 3
+        with TypeSafeClient(api_key="unused", base_url=server.url, timeout=120) as c:
+            r = c.system_one(
+                state="A parcel arrived late.",
+                questions={
+                    "late": Noul(instructions="Late?"),
+                    "team": Choice(criteria={"Billing": None, "Shipping": None, "Sales": None}),
+                },
+            )
+        assert 0 <= r.nouls["late"].noul <= 1 and r.choices["team"].choice in {"Billing", "Shipping", "Sales"}
+        out = tmp_path / "jevcompat.json"
+        cmd = [sys.executable, "-m", "jevcompat.cli", "test", server.url, "--json", str(out), "--timeout", "120"]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    report = json.loads(out.read_text())
+    s = report["summary"]
+    assert report["summary"]["verdict"] == "conformant" and s["MUST"]["failed"] == 0, p.stdout[-3000:]
+    assert s["SHOULD"]["failed"] == 0, p.stdout[-3000:]
+
+
+def test_levbench_agree_reports_mode_a_vs_mode_b_and_gates(released_b, tmp_path):
+    from lev_jax.bench import cli as bench_cli
+    from lev_jax.bench.evalset import EvalSet
+
+    run_dir, _ = released_b
+    team = {"type": "choice", "criteria": {"Billing": "money", "Shipping": "parcels", "Sales": "buying"}}
+    states = ["My parcel is late.", "I was charged twice.", "I want to buy ten more seats.", "Where is my box?"]
+    gold = ["Shipping", "Billing", "Sales", "Shipping"]
+    es = EvalSet("tiny-agree", {"team": team}, [{"state": s, "labels": {"team": g}} for s, g in zip(states, gold)], {})
+    es.save(tmp_path / "tiny-agree.json")
+    args = [str(tmp_path / "tiny-agree.json"), "--model", str(run_dir), "--no-progress"]
+    assert bench_cli.main(["agree", *args, "--out", str(tmp_path / "a"), "--min-agreement", "0"]) == 0
+    doc = json.loads((tmp_path / "a" / "agreement.json").read_text())
+    [rec] = doc["tasks"]
+    assert rec["task"] == "tiny-agree" and rec["questions"] == 4 and 0 <= rec["agreement"] <= 1
+    assert 0 <= rec["mean_tv"] <= 1 and rec["accuracy_mode_a"] is not None and rec["accuracy_mode_b"] is not None
+    # the gate: below the required agreement the command fails
+    assert bench_cli.main(["agree", *args, "--out", str(tmp_path / "b"), "--min-agreement", "1.01"]) == 1
+    assert "FAIL" in (tmp_path / "b" / "agreement.md").read_text()

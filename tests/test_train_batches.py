@@ -124,3 +124,55 @@ def test_shared_prefix_gradients_equal_independent_rows(bb, layout):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
     assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(g1)) > 1e-3  # gradients are not trivially 0
     assert lora.n_params(g1) == lora.n_params(trainable)
+
+
+def test_mode_b_examples_train_the_marked_row_shuffled_and_the_mode_a_rows(bb):
+    """With a head (`--mode-b`) a routed choice trains its marked row, options in a seeded random
+    order with the target following them, and (joint) the Mode A rows; the training step scores the
+    rows exactly as the serving executor reads them, and the loss reaches the head."""
+    from lev_jax.readout import Executor, Usage, modeb
+
+    kw = {"mode_b": True, "mode_b_min_options": 4}
+    planner = Planner(bb.tokenizer, **kw)
+    r = batches.Renderer(planner, seed=0)
+    ex = r.example(RECORDS[3], r.rng(0, 3))
+    marked = [row for row in ex.rows if row.markers is not None]
+    assert len(marked) == 1 and len(ex.rows) == 3  # the marked row + both Mode A orders
+    i = ex.rows.index(marked[0])
+    assert ex.modes[i] == domain.READOUT_MODES.index(domain.MARKER)
+    order = ex.levels[i]  # candidate index per marker position
+    assert sorted(order) == [0, 1, 2, 3] and ex.targets[i][order.index(2)] == 1.0  # "business" is the gold
+    orders = {tuple(r.example(RECORDS[3], r.rng(e, 3)).levels[0]) for e in range(6)}
+    assert len(orders) > 1  # shuffled per epoch (seeded: the same on resume)
+    a_only = batches.Renderer(planner, seed=0, mode_b_joint=False).example(RECORDS[3], r.rng(0, 3))
+    assert len(a_only.rows) == 1
+
+    cfg = config.resolve("tiny", {"mode_b": True, "mode_b_min_options": 4})
+    trainer = loop.Trainer(cfg, bb, mesh_lib.make(""))
+    state = trainer.init_state()
+    trainable = jax.tree.map(lambda x: x + 0.05, state["trainable"])
+    assert set(trainable[modeb.HEAD_KEY]) == {"w1", "b1", "w2", "b2"}
+    examples = [r.example(rec, r.rng(0, k)) for k, rec in enumerate(RECORDS)]
+    arrays, _ = batches.pack(examples)
+    assert arrays["marked_ER"].sum() == 2  # both 4-option choices
+    scores = np.asarray(trainer.logits(trainable, trainer.frozen, arrays))
+    # the serving path (the same merged weights and head): every row's scores agree
+    served_bb = type(bb)(bb.config, trainer.params(trainable, trainer.frozen), bb.tokenizer, name="t")
+    served_bb.mode_b_head = trainable[modeb.HEAD_KEY]
+    ex_ = Executor(served_bb)
+    for e in examples:
+        [want] = ex_.read_reference([(e.prefix, e.rows)], [Usage()])
+        got = [scores[b] for b in _row_index(arrays, examples, e)]
+        for w, g, row in zip(want, got, e.rows):
+            np.testing.assert_allclose(g[: row.width], w, atol=2e-4, rtol=0)
+    grads = jax.grad(lambda t: trainer.loss(t, trainer.frozen, arrays)[0])(trainable)
+    assert float(jnp.abs(grads[modeb.HEAD_KEY]["w1"]).max()) > 0
+
+
+def _row_index(arrays, examples, example):
+    """Flat batch indices of `example`'s rows (pack's grouping, recomputed)."""
+    groups = batches.group_rows(examples)
+    R = arrays["tokens_ERT"].shape[1]
+    e = next(i for i, x in enumerate(examples) if x is example)
+    where = {(ee, i): g_i * R + r_i for g_i, g in enumerate(groups) for r_i, (ee, i, _) in enumerate(g.rows)}
+    return [where[(e, i)] for i in range(len(example.rows))]

@@ -1,4 +1,4 @@
-"""``python -m scripts.levbench`` (or ``levbench``): export | eval | fit | sweep | compare.
+"""``python -m scripts.levbench`` (or ``levbench``): export | eval | fit | sweep | compare | agree.
 
     levbench export --out evalsets                       # eval-data exports (test + calibration)
     levbench export --out evalsets --pipeline DATA --split calibration
@@ -7,6 +7,7 @@
     levbench fit evalsets/banking77-train.json:limit=80 ... --rows-out rows.jsonl   # -> shipped profile
     levbench sweep --out results/sweep [--url URL]
     levbench compare results/plain results/rlcd --out results/plain-vs-rlcd   # paired bootstrap B - A
+    levbench agree evalsets/banking77-test.json:limit=200 --model RELEASE --out results/agree   # Mode A vs B
 
 A set argument is ``PATH[:limit=N][:max_options=K][:split=NAME]``; a directory means every
 eval-set file in it. Samples are fixed-seed shuffles (``--seed``), never head slices.
@@ -192,6 +193,20 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def cmd_agree(args) -> int:
+    from lev_jax.bench import agree
+
+    specs = _expand_sets(args.sets, args.limit)
+    engine = _load_engine(args, args.calibration)
+    try:
+        _, passed = agree.run(engine, [s.load(args.seed) for s in specs], args.out, min_agreement=args.min_agreement)
+    except ValueError as e:  # a model without a head
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print((Path(args.out) / "agreement.md").read_text(encoding="utf-8"))
+    return 0 if passed else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="levbench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -270,6 +285,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--resamples", type=int, default=2000)
     c.add_argument("--seed", type=int, default=0)
     c.set_defaults(fn=cmd_compare)
+
+    g = sub.add_parser("agree", help="Mode A vs Mode B on the choices both can read: agreement gate (in-process)")
+    g.add_argument("sets", nargs="+")
+    g.add_argument("--out", required=True)
+    g.add_argument("--calibration", default="auto", help="auto | none | PATH")
+    g.add_argument("--min-agreement", type=float, default=0.8, help="exit 1 below this argmax agreement")
+    _engine_args(g)
+    common(g)
+    g.set_defaults(fn=cmd_agree)
     return ap
 
 

@@ -4,8 +4,18 @@ only), and logits -> calibrated probabilities -> Jev answers (`compose`)."""
 
 from lev_jax.readout.compose import answer, question_probs, readout_probs, run
 from lev_jax.readout.execute import Executor, Usage
-from lev_jax.readout.logits import RowBatch, pack_prefixes, pack_rows, prefixed_label_logits, rows_label_logits
+from lev_jax.readout.logits import (
+    RowBatch,
+    pack_prefixes,
+    pack_rows,
+    prefixed_label_logits,
+    rows_label_logits,
+    rows_scores,
+)
 from lev_jax.readout.plan import (
+    MODE_A,
+    MODE_A_GROUPED,
+    MODE_B,
     ImagePrefix,
     Planner,
     QuestionPlan,
@@ -15,9 +25,15 @@ from lev_jax.readout.plan import (
     check_limits,
     normalize_question,
     prefix_key,
+    route,
 )
 
 __all__ = [
+    "MODE_A",
+    "MODE_A_GROUPED",
+    "MODE_B",
+    "route",
+    "rows_scores",
     "Executor",
     "ImagePrefix",
     "Planner",

@@ -28,6 +28,7 @@ import numpy as np
 from lev_jax import buckets
 from lev_jax.models import cache as cache_lib
 from lev_jax.readout import logits as logits_lib
+from lev_jax.readout import modeb
 from lev_jax.readout.plan import Row, prefix_key
 
 # Question headers shared by a readout's rows become a cache segment when that saves at least this
@@ -58,7 +59,13 @@ class Call:
     rows: list[int]  # indices of the rows it reads
     batch: int  # rows bucket
     length: int  # suffix-length bucket
-    codes: int  # label-codes bucket
+    codes: int  # label-codes (or Mode B markers) bucket
+    marked: bool = False  # holds Mode B rows (another program: the head reads their markers)
+
+    @property
+    def key(self) -> tuple:
+        """The program key's tail: (rows, length, codes), "modeb" appended for a call with Mode B rows."""
+        return (self.batch, self.length, self.codes) + (("modeb",) if self.marked else ())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +122,8 @@ class Executor:
                 g,
                 buckets.fit(len(g), buckets.ROWS, "rows"),
                 suffix(g),
-                buckets.fit(max(len(rows[i].label_ids) for i in g), buckets.CODES, "label codes"),
+                buckets.fit(max(rows[i].width for i in g), buckets.CODES, "label codes"),
+                any(rows[i].markers is not None for i in g),
             )
             for g in groups
         ]
@@ -134,7 +142,7 @@ class Executor:
                 headers.append(list(key[1]))
                 prefix_of_header.append(prefix)
             header_of_row.append(index[key])
-            rest.append(Row(r.tokens[r.header :], r.label_ids))
+            rest.append(r.after(r.header))
         total = sum(len(r.tokens) for r in rows)
         saved = total - sum(map(len, headers)) - sum(len(r.tokens) for r in rest)
         if saved < max(MIN_SEGMENT_SAVING, total // 10):
@@ -163,7 +171,7 @@ class Executor:
         for i, r in enumerate(rows):
             idx, rest = groups.setdefault(tuple(prefix_ids) + tuple(r.tokens[: r.stateless]), ([], []))
             idx.append(i)
-            rest.append(Row(r.tokens[r.stateless :], r.label_ids))
+            rest.append(r.after(r.stateless))
         return [(list(key), idx, rest) for key, (idx, rest) in groups.items()]
 
     def programs(self, prefix_ids: list[int], rows: list[Row]) -> set[tuple]:
@@ -177,8 +185,7 @@ class Executor:
         keys |= {("vision", img.grid_thw) for img in getattr(prefix_ids, "images", ())}
         if any(map(is_long, rows)):
             for r in filter(is_long, rows):
-                codes = buckets.fit(len(r.label_ids), buckets.CODES, "label codes")
-                keys |= {(*call, codes) if call[0] == "tail" else call for call in self.long_row_calls(pb, pb, r)}
+                keys |= set(self.long_row_calls(pb, pb, r))
             rows = [r for r in rows if not is_long(r)]
             if not rows:
                 return keys
@@ -192,13 +199,11 @@ class Executor:
         header bucket and the segment cache's row count (SEGMENT_ROWS)."""
         seg = self.segment_plan(rows, prefix_of_row) if segments else None
         if seg is None:
-            return {(*base, c.batch, c.length, c.codes) for c in self.calls(rows)}
+            return {(*base, *c.key) for c in self.calls(rows)}
         sg, calls = self.segment_calls(seg.headers)
         n_seg = buckets.fit(sum(b for _, b in calls), SEGMENT_ROWS, "question headers")
         name = "segment" if base[0] == "rows" else "stacked-segment"
-        return {(name, *base[1:], b, sg) for _, b in calls} | {
-            (*base, sg, n_seg, c.batch, c.length, c.codes) for c in self.calls(seg.rest)
-        }
+        return {(name, *base[1:], b, sg) for _, b in calls} | {(*base, sg, n_seg, *c.key) for c in self.calls(seg.rest)}
 
     def batch_programs(self, entries) -> set[tuple]:
         """The programs `read(entries)` runs for a micro-batch of (prefix_ids, rows) entries: each
@@ -219,8 +224,7 @@ class Executor:
             flat = [(k, r) for k, (_, rows) in enumerate(part) for r in rows]
             for _, r in flat:
                 if is_long(r):
-                    codes = buckets.fit(len(r.label_ids), buckets.CODES, "label codes")
-                    keys |= {(*c, codes) if c[0] == "tail" else c for c in self.long_row_calls(slots, slots, r)}
+                    keys |= set(self.long_row_calls(slots, slots, r))
             short = [(k, r) for k, r in flat if not is_long(r)]
             if short:
                 keys |= self.read_programs(("stacked", n, slots), [r for _, r in short], [k for k, _ in short])
@@ -316,6 +320,11 @@ class Executor:
                 if images:  # the whole sequence in one call: image features and positions included
                     embeds, mask, positions, _ = self.backbone.vision.prefix_inputs(ids, images, len(ids))
                     mm = {"embeds": embeds, "embeds_mask": mask, "positions": positions}
+                if r.markers is not None:  # Mode B: the head over the hidden states at the markers
+                    at = np.asarray([[len(prefix_ids) + m for m in r.markers]], np.int32)
+                    hidden = self.backbone.hidden_at([ids], at, **mm)
+                    per.append(np.asarray(modeb.head_scores(self.backbone.mode_b_head, hidden))[0])
+                    continue
                 logits = np.asarray(self.backbone.logits([ids], **mm))[0, -1]
                 per.append(logits[r.label_ids])
             out.append(per)
@@ -346,49 +355,70 @@ class Executor:
         return self.read_calls(seg_cache, seg.rest, segment_of_row=[where[h] for h in seg.header_of_row])
 
     @staticmethod
-    def long_row_calls(offset: int, slots: int, row: Row) -> list[tuple[str, int, int]]:
-        """The device calls of a long row continuing a cache whose next slot is `offset` of `slots`:
-        ("chunk", slots, PREFILL_CHUNK) per leading chunk, each written into the cache grown to
-        hold it (to a multiple of the chunk, so these programs are shared by every prefix length),
-        then ("tail", slots, tail bucket) reading the answer from the row's last tokens."""
+    def long_row_calls(offset: int, slots: int, row: Row) -> list[tuple]:
+        """The device calls (program keys) of a long row continuing a cache whose next slot is
+        `offset` of `slots`: ("chunk", slots, PREFILL_CHUNK) per leading chunk, each written into
+        the cache grown to hold it (to a multiple of the chunk, so these programs are shared by every
+        prefix length), ("chunk-marked", slots, chunk, markers bucket) for a chunk holding Mode B
+        markers (the head reads them on the way), then ("tail", slots, tail bucket, codes bucket
+        [, "modeb"]) reading the row's last tokens like any row."""
         chunk = buckets.PREFILL_CHUNK
         n = len(row.tokens)
         calls, start = [], 0
         while n - start > chunk:
             slots = max(slots, -(-(offset + chunk) // chunk) * chunk)
-            calls.append(("chunk", slots, chunk))
+            inside = markers_in(row, start, start + chunk)
+            if inside:
+                calls.append(("chunk-marked", slots, chunk, buckets.fit(len(inside), buckets.CODES, "markers")))
+            else:
+                calls.append(("chunk", slots, chunk))
             offset, start = offset + chunk, start + chunk
-        return calls + [("tail", slots, buckets.fit(n - start, buckets.SUFFIX, "question length"))]
+        tail = row.after(start)
+        key = ("tail", slots, buckets.fit(n - start, buckets.SUFFIX, "question length"))
+        key += (buckets.fit(tail.width, buckets.CODES, "label codes"),)
+        return calls + [key + (("modeb",) if tail.markers is not None else ())]
 
     def read_long_row(self, cache, row: Row) -> np.ndarray:
-        """Label logits of one row longer than a prefill chunk, continuing a 1-row `cache` (or none):
-        its leading chunks extend a private copy of the cache exactly as a prefill does, then its
-        last tokens are read like any row. The cost follows the row's tokens at the prefill rate;
-        one call over all of them would score every token against every other at once (a T x T
-        block per head that leaves the CPU's caches far behind: several times slower per token at
-        2k tokens, BENCHMARKS.md)."""
+        """Scores of one row longer than a prefill chunk, continuing a 1-row `cache` (or none): its
+        leading chunks extend a private copy of the cache exactly as a prefill does (a Mode B row's
+        markers inside them scored on the way), then its last tokens are read like any row. The cost
+        follows the row's tokens at the prefill rate; one call over all of them would score every
+        token against every other at once (a T x T block per head that leaves the CPU's caches far
+        behind: several times slower per token at 2k tokens, BENCHMARKS.md)."""
         bb = self.backbone
         offset, slots = (0, 0) if cache is None else (int(cache["offset"]), int(cache["valid"].shape[1]))
-        start = 0
-        for kind, size, length in self.long_row_calls(offset, slots, row):
+        start, scores = 0, []
+        for call in self.long_row_calls(offset, slots, row):
+            kind, size, length = call[:3]
             if kind == "tail":
                 break
-            tokens, valid = logits_lib.pack_prefixes([row.tokens[start : start + length]], 1, length)
+            tokens, valid = map(jnp.asarray, logits_lib.pack_prefixes([row.tokens[start : start + length]], 1, length))
             if cache is not None:
                 cache = cache_lib.grow(cache, size)
-            cache = logits_lib.extend_cache(bb.params, cache, jnp.asarray(tokens), jnp.asarray(valid), bb.config)
+            if kind == "chunk-marked":
+                inside = [m - start for m in markers_in(row, start, start + length)]
+                pos = np.zeros((1, call[3]), np.int32)
+                pos[0, : len(inside)] = inside
+                part, cache = logits_lib.extend_cache_marked(
+                    bb.params, bb.mode_b_head, cache, tokens, valid, jnp.asarray(pos), bb.config
+                )
+                scores.append(np.asarray(part)[0, : len(inside)])
+            else:
+                cache = logits_lib.extend_cache(bb.params, cache, tokens, valid, bb.config)
             start += length
-        tail = Row(row.tokens[start:], row.label_ids)
-        batch = logits_lib.pack_rows([tail], 1, length, buckets.fit(len(row.label_ids), buckets.CODES, "label codes"))
+        tail = row.after(start)
+        batch = logits_lib.pack_rows([tail], 1, length, call[3])
         logits = logits_lib.read_rows(
             bb.params,
+            bb.mode_b_head if batch.marked else None,
             cache,
             None,
             *map(jnp.asarray, (batch.tokens_BT, batch.valid_BT, batch.answer_B, batch.label_ids_BC)),
+            *map(jnp.asarray, (batch.markers_BC, batch.marked_B)),
             bb.config,
             anchored=False,  # one row, one call, no rerun to fall back on: the exact softmax
         )
-        return np.asarray(logits)[0, : len(row.label_ids)]
+        return np.concatenate(scores + [np.asarray(logits)[0, : tail.width]])
 
     def compute_segments(self, cache, headers: list[list[int]], prefix_of_header: list[int] | None = None):
         """(segment cache of every header after the shared prefix, or after its own prefix of a
@@ -430,12 +460,15 @@ class Executor:
                 which[: len(call.rows)] = [per_row[i] for i in call.rows]
             args = (
                 bb.params,
+                bb.mode_b_head if batch.marked else None,
                 cache,
                 None if which is None else jnp.asarray(which),
                 jnp.asarray(batch.tokens_BT),
                 jnp.asarray(batch.valid_BT),
                 jnp.asarray(batch.answer_B),
                 jnp.asarray(batch.label_ids_BC),
+                jnp.asarray(batch.markers_BC),
+                jnp.asarray(batch.marked_B),
                 bb.config,
             )
             logits = np.asarray(fn(*args))
@@ -445,7 +478,7 @@ class Executor:
                 self.exact_reruns += 1
                 logits = np.asarray(fn(*args, anchored=False))
             for j, i in enumerate(call.rows):
-                out[i] = logits[j, : len(rows[i].label_ids)]
+                out[i] = logits[j, : rows[i].width]
         return out
 
 
@@ -453,6 +486,11 @@ def prefill_program(prefix_ids) -> str:
     """The name of the program family computing a prefix: with images it takes image features and
     3-axis positions too (another program for the same length)."""
     return "prefill-image" if getattr(prefix_ids, "images", ()) else "prefill"
+
+
+def markers_in(row: Row, start: int, stop: int) -> list[int]:
+    """A Mode B row's marker positions within tokens [start, stop) (none for a Mode A row)."""
+    return [m for m in row.markers or () if start <= m < stop]
 
 
 def is_long(row: Row) -> bool:

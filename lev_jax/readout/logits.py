@@ -19,6 +19,7 @@ import numpy as np
 
 from lev_jax import models
 from lev_jax.models import cache as cache_lib
+from lev_jax.readout import modeb
 
 
 @dataclasses.dataclass
@@ -29,19 +30,31 @@ class RowBatch:
     valid_BT: np.ndarray  # bool
     answer_B: np.ndarray  # int32: the position whose next token is the answer
     label_ids_BC: np.ndarray  # int32: padded code slots hold id 0 (mask them)
+    markers_BC: np.ndarray  # int32: Mode B rows' marker positions (padding points at the answer)
+    marked_B: np.ndarray  # bool: the row is read by the Mode B head at its markers
+
+    @property
+    def marked(self) -> bool:
+        return bool(self.marked_B.any())
 
 
 def pack_rows(rows: Sequence, n_rows: int, length: int, n_codes: int) -> RowBatch:
-    """`rows` (readout.Row) padded to [n_rows, length] tokens and [n_rows, n_codes] label ids."""
+    """`rows` (readout.Row) padded to [n_rows, length] tokens and [n_rows, n_codes] label ids (Mode
+    A) or marker positions (Mode B rows, `Row.markers`)."""
     tokens = np.zeros((n_rows, length), np.int32)
     valid = np.zeros((n_rows, length), bool)
     answer = np.zeros((n_rows,), np.int32)
     ids = np.zeros((n_rows, n_codes), np.int32)
+    markers = np.zeros((n_rows, n_codes), np.int32)
+    marked = np.zeros((n_rows,), bool)
     for j, r in enumerate(rows):
         tokens[j, : len(r.tokens)], valid[j, : len(r.tokens)] = r.tokens, True
         answer[j] = len(r.tokens) - 1
+        markers[j] = answer[j]
         ids[j, : len(r.label_ids)] = r.label_ids
-    return RowBatch(tokens, valid, answer, ids)
+        if r.markers is not None:
+            markers[j, : len(r.markers)], marked[j] = r.markers, True
+    return RowBatch(tokens, valid, answer, ids, markers, marked)
 
 
 def pack_prefixes(prefixes: Sequence[Sequence[int]], n: int, length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -93,26 +106,35 @@ def rows_label_logits(
     return models.label_logits(params, hidden_BRE[:, 0], label_ids_BC, cfg)
 
 
-def rows_marker_scores(
+def rows_scores(
     params,
     head,
     cache,
     prefix_B,
     tokens_BT,
     valid_BT,
-    markers_BR,
+    answer_B,
+    label_ids_BC,
+    markers_BC,
+    marked_B,
     cfg,
     *,
     anchored: bool = False,
     remat: str = "none",
 ):
-    """[B, R] fp32 Mode B scores of B rows continuing `cache` (as `rows_label_logits`): the scorer
-    `head` (readout.modeb) applied to the final-normed hidden state at each row's R marker positions
-    (padding markers point anywhere in the row; the caller masks them)."""
-    from lev_jax.readout import modeb
-
-    hidden_BRE = rows_hidden(params, cache, prefix_B, tokens_BT, valid_BT, markers_BR, cfg, anchored, remat)
-    return modeb.head_scores(head, hidden_BRE)
+    """[B, C] fp32 scores of B rows continuing `cache` (as `rows_label_logits`), each row read its
+    own way: Mode A rows as label logits at the answer position, Mode B rows (`marked_B`) as the
+    scorer `head`'s scores (readout.modeb) of the final-normed hidden state at `markers_BC`. With
+    `head` None every row is Mode A (the markers are not read): the one readout serving and
+    training share."""
+    if head is None:
+        return rows_label_logits(
+            params, cache, prefix_B, tokens_BT, valid_BT, answer_B, label_ids_BC, cfg, anchored=anchored, remat=remat
+        )
+    readout_BR = jnp.concatenate([answer_B[:, None], markers_BC], axis=1)
+    hidden_BRE = rows_hidden(params, cache, prefix_B, tokens_BT, valid_BT, readout_BR, cfg, anchored, remat)
+    letter_BC = models.label_logits(params, hidden_BRE[:, 0], label_ids_BC, cfg)
+    return jnp.where(marked_B[:, None], modeb.head_scores(head, hidden_BRE[:, 1:]), letter_BC)
 
 
 def prefixed_label_logits(
@@ -137,30 +159,55 @@ def prefixed_label_logits(
 
 
 # -- the programs predict() runs -------------------------------------------------------------------
+# `head` is None for calls without Mode B rows (one program per bucket, as before a head existed);
+# `markers_BC` / `marked_B` are then ignored.
 @functools.partial(jax.jit, static_argnames=("cfg", "anchored"))
-def read_rows(params, cache, prefix_B, tokens_BT, valid_BT, answer_B, label_ids_BC, cfg, anchored=True):
-    return rows_label_logits(
-        params, cache, prefix_B, tokens_BT, valid_BT, answer_B, label_ids_BC, cfg, anchored=anchored
+def read_rows(
+    params, head, cache, prefix_B, tokens_BT, valid_BT, answer_B, label_ids_BC, markers_BC, marked_B, cfg, anchored=True
+):
+    return rows_scores(
+        params,
+        head,
+        cache,
+        prefix_B,
+        tokens_BT,
+        valid_BT,
+        answer_B,
+        label_ids_BC,
+        markers_BC,
+        marked_B,
+        cfg,
+        anchored=anchored,
     )
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "anchored"))
-def read_marker_rows(params, head, cache, prefix_B, tokens_BT, valid_BT, markers_BR, cfg, anchored=True):
-    """Mode B rows: `rows_marker_scores`, one program per (rows, length, markers) bucket."""
-    return rows_marker_scores(params, head, cache, prefix_B, tokens_BT, valid_BT, markers_BR, cfg, anchored=anchored)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "anchored"))
-def read_segment_rows(params, cache, segment_B, tokens_BT, valid_BT, answer_B, label_ids_BC, cfg, anchored=True):
+def read_segment_rows(
+    params,
+    head,
+    cache,
+    segment_B,
+    tokens_BT,
+    valid_BT,
+    answer_B,
+    label_ids_BC,
+    markers_BC,
+    marked_B,
+    cfg,
+    anchored=True,
+):
     """`read_rows` for rows that continue a segment cache: row b reads segment `segment_B[b]`."""
-    return rows_label_logits(
+    return rows_scores(
         params,
+        head,
         cache_lib.select_rows(cache, segment_B),
         None,
         tokens_BT,
         valid_BT,
         answer_B,
         label_ids_BC,
+        markers_BC,
+        marked_B,
         cfg,
         anchored=anchored,
     )
@@ -197,11 +244,19 @@ def extend_cache(params, cache, tokens_BT, valid_BT, cfg):
     return cache
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def extend_cache_marked(params, head, cache, tokens_BT, valid_BT, markers_BR, cfg):
+    """(Mode B head scores at `markers_BR`, the continued cache): `extend_cache` for a chunk of a
+    long Mode B row, whose markers inside the chunk are read on the way."""
+    hidden_BRE, cache = models.forward(params, tokens_BT, cache, cfg, valid_BT=valid_BT, readout_BR=markers_BR)
+    return modeb.head_scores(head, hidden_BRE), cache
+
+
 def compiled_programs() -> int:
     """Row, segment and long-row programs compiled so far in this process."""
     return (
         read_rows._cache_size()
-        + read_marker_rows._cache_size()
+        + extend_cache_marked._cache_size()
         + read_segment_rows._cache_size()
         + compute_segments._cache_size()
         + extend_cache._cache_size()

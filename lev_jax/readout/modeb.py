@@ -11,8 +11,8 @@ the shape of Mode A's label logits ([rows, candidates]), so presentation-order m
 composition and the training loss read them unchanged.
 
 This module holds the pieces: the marker, the row layout (`marked_row`), the head (`init_head`,
-`head_scores`) and its safetensors form. The row programs are `readout.logits.read_marker_rows` /
-`rows_marker_scores`.
+`head_scores`) and its safetensors form. Rows are read by `readout.logits.rows_scores`, the readout
+Mode A rows go through too (`Row.markers` marks a Mode B row).
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from lev_jax import prompt
-from lev_jax.errors import RequestError
+from lev_jax.errors import ReservedTextError
 
 # special tokens a decision prompt never needs, in order of preference (Qwen3.5's grounding
 # delimiters; SmolLM2's code-corpus metadata tokens)
 MARKERS = ("<|object_ref_end|>", "<|box_end|>", "<|quad_end|>", "<empty_output>", "<gh_stars>", "<issue_closed>")
 HEAD_WIDTH = 256  # the scorer's hidden width
+HEAD_KEY = "mode_b_head"  # where a training state's trainable tree holds the head, beside the adapter
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -42,21 +43,26 @@ def marker_token(tokenizer) -> tuple[str, int] | None:
     return None
 
 
-def check_text(text: str, marker: str, where: str) -> None:
-    """RequestError when request text contains the marker: it would be read as a candidate's end."""
+def check_text(text: str, marker: str, where: str, loc: tuple = ()) -> None:
+    """ReservedTextError when request text contains the marker: it would be read as a candidate's end."""
     if marker in text:
-        raise RequestError(f"{where} contains {marker!r}, a token this model reserves for reading options")
+        raise ReservedTextError(f"{where} contains {marker!r}, a token this model reserves for reading options", loc)
 
 
 def marked_row(
-    fmt: prompt.PromptFormat, marker_id: int, instructions: str, options: list[tuple[str, object]], lead: str = ""
+    fmt: prompt.PromptFormat,
+    marker_id: int,
+    instructions: str,
+    options: list[tuple[str, object]],
+    state_block: str | None = None,
 ) -> tuple[list[int], list[int]]:
-    """(row tokens, marker positions) of a Mode B choice row after the state prefix (state first):
-    the question, each option line followed by the marker, the answer context. `lead` is the text
-    before the question in the row (none for the state-first layout)."""
+    """(row tokens, marker positions) of a Mode B choice row: the question, each option line
+    followed by the marker, the answer context. After a state prefix (state first) `state_block` is
+    None; with the schema first the row opens with the question and carries the state before the
+    options (`state_block`: the state as the layout writes it), so every marker reads the state."""
     tok = fmt.tokenizer
-    head, lines, tail = prompt.choice_pieces_marked(instructions, options)
-    ids = tok.encode(lead + head)
+    head, lines, tail = prompt.choice_pieces_marked(instructions, options, state_block)
+    ids = tok.encode(head)
     markers = []
     for k, line in enumerate(lines):
         ids += tok.encode(("\n" if k else "") + line)
@@ -82,6 +88,13 @@ def head_scores(head: dict, hidden_BRE) -> jax.Array:
     x = hidden_BRE.astype(jnp.float32)
     h = jax.nn.gelu(jnp.matmul(x, head["w1"], precision=HIGHEST) + head["b1"])
     return jnp.matmul(h, head["w2"], precision=HIGHEST) + head["b2"]
+
+
+def split(trainable: dict) -> tuple[dict, dict | None]:
+    """(the LoRA adapter or full parameters, the Mode B head or None) of a trainable tree."""
+    if HEAD_KEY not in trainable:
+        return trainable, None
+    return {k: v for k, v in trainable.items() if k != HEAD_KEY}, trainable[HEAD_KEY]
 
 
 def head_tensors(head: dict, prefix: str = "mode_b_head.") -> dict[str, np.ndarray]:

@@ -18,6 +18,7 @@ import numpy as np
 
 from lev_jax import buckets, domain, labels, prompt
 from lev_jax.errors import RequestError, TokenLimitError
+from lev_jax.readout import modeb
 
 # Option averaging reads a choice in both presentation orders (cancelling position bias) while its
 # row stays within this many tokens; a longer listing (over ~100 options with descriptions) is read in
@@ -25,6 +26,19 @@ from lev_jax.errors import RequestError, TokenLimitError
 # (255 options: ~4.5k tokens a row), and the calibration fitted for large choices absorbs the order bias
 # that remains.
 AVERAGING_MAX_ROW_TOKENS = 2048
+
+# how a question is read (the router's answer; the answer's metadata on the wire)
+MODE_A, MODE_A_GROUPED, MODE_B = "mode_a", "mode_a_grouped", "mode_b"
+
+
+def route(n_options: int, group_size: int, *, head: bool, min_options: int = domain.MODE_B_MIN_OPTIONS) -> str:
+    """The router, one function: Mode B where a head is loaded and the choice is large (at least
+    `min_options`) or its codes would split (more options than the tokenizer has single-token
+    codes); else Mode A where every option gets a single-token code; else grouped Mode A (round 1 per
+    group, round 2 over the winners). A missing head never fails a request: Mode A reads it."""
+    if head and (n_options >= min_options or n_options > group_size):
+        return MODE_B
+    return MODE_A if n_options <= group_size else MODE_A_GROUPED
 
 
 class ImagePrefix(list):
@@ -51,6 +65,29 @@ class Row:
     # the executor keeps them with the prefix in its cross-request cache, so a stream of states asked
     # one question computes the question once
     stateless: int = 0
+    # Mode B: the positions (in `tokens`) of the marker after each candidate, in code order; the
+    # scorer head reads the hidden state there and `label_ids` is empty
+    markers: list[int] | None = None
+
+    @property
+    def width(self) -> int:
+        """The scores the row yields: one per label code, or per marker."""
+        return len(self.label_ids) if self.markers is None else len(self.markers)
+
+    def after(self, k: int) -> Row:
+        """The row without its first k tokens (read after a cache holding them); markers among
+        those are dropped (the caller read them)."""
+        markers = None if self.markers is None else [m - k for m in self.markers if m >= k]
+        return Row(self.tokens[k:], self.label_ids, markers=markers)
+
+    def rebased(self, tokens: list[int]) -> Row:
+        """This row read as `tokens`, which end with the row's own last tokens (more or fewer of
+        them before: a training group's shared prefix cut elsewhere); markers move with them."""
+        shift = len(tokens) - len(self.tokens)
+        markers = None if self.markers is None else [m + shift for m in self.markers]
+        if markers and min(markers) < 0:
+            raise ValueError("a Mode B row's markers cannot be shared with another row")
+        return Row(list(tokens), self.label_ids, markers=markers)
 
 
 @dataclasses.dataclass
@@ -70,6 +107,7 @@ class QuestionPlan:
     question: dict  # normalised: {"type", "instructions", "criteria"} (noul criteria keyed "true"/"false")
     readouts: list[Readout]  # round 1
     groups: list[list[int]] | None = None  # candidates of each round-1 readout (a large choice), else None
+    route: str = MODE_A  # how it is read: MODE_A, MODE_A_GROUPED or MODE_B
 
     @property
     def rows(self) -> list[Row]:
@@ -187,6 +225,8 @@ class Planner:
         noul_readout: str = domain.BINARY,
         option_averaging: bool = True,
         vision=None,
+        mode_b: bool = False,
+        mode_b_min_options: int = domain.MODE_B_MIN_OPTIONS,
     ):
         if noul_readout not in domain.NOUL_READOUTS:
             raise ValueError(f"noul_readout must be one of {domain.NOUL_READOUTS}")
@@ -203,6 +243,13 @@ class Planner:
             raise ValueError("the tokenizer offers fewer than two single-token label codes")
         self.yes_no_lead, self.yes_no = self.codes.fixed(domain.YES_NO)
         self.rating_lead, self.rating = self.codes.fixed(domain.RATING_CODES)
+        # Mode B (a scorer head is loaded): large choices in one row, each option followed by the marker
+        self.marker = modeb.marker_token(tokenizer) if mode_b else None
+        if mode_b and self.marker is None:
+            raise ValueError("Mode B needs a reserved marker token; this tokenizer has none of readout.modeb.MARKERS")
+        if not domain.CHOICE_OPTIONS[0] <= mode_b_min_options:
+            raise ValueError(f"mode_b_min_options must be at least {domain.CHOICE_OPTIONS[0]}")
+        self.mode_b_min_options = mode_b_min_options
 
     # -- text and tokens ---------------------------------------------------------------------------
     @staticmethod
@@ -264,19 +311,51 @@ class Planner:
                 break
         return Readout(domain.CHOICE, domain.LETTER, len(idx), share_header(rows), maps)
 
-    def question(self, state_text: str, qid: str, q: dict) -> QuestionPlan:
-        """The round-1 readouts of a question (validated and normalised here)."""
+    def marked_readout(self, state_text: str, q: dict, order: list[int]) -> Readout:
+        """Mode B: one row listing the options in `order`, each followed by the marker the head
+        scores (training passes a shuffled order; serving the request's)."""
+        options = list(q["criteria"].items())
+        block = self.format.state_block(state_text) if self.layout == "schema_first" else None
+        ids, markers = modeb.marked_row(
+            self.format, self.marker[1], q["instructions"], [options[i] for i in order], block
+        )
+        return Readout(domain.CHOICE, domain.MARKER, len(order), [Row(ids, [], markers=markers)], [list(order)])
+
+    def route(self, n_options: int, allow_b: bool = True) -> str:
+        head = allow_b and self.marker is not None
+        return route(n_options, self.group_size, head=head, min_options=self.mode_b_min_options)
+
+    def check_marker(self, qid: str, q: dict) -> None:
+        """A Mode B question's text must not hold the marker (ReservedTextError, 422)."""
+        text = self.marker[0]
+        modeb.check_text(
+            q["instructions"], text, f"question {qid!r}'s instructions", ("questions", qid, "instructions")
+        )
+        for key, desc in q["criteria"].items():
+            where = f"question {qid!r}'s option {key!r}"
+            modeb.check_text(key, text, where, ("questions", qid, "criteria"))
+            modeb.check_text(prompt.render_value(desc), text, where, ("questions", qid, "criteria", key))
+
+    def question(self, state_text: str, qid: str, q: dict, *, allow_b: bool = True) -> QuestionPlan:
+        """The round-1 readouts of a question (validated and normalised here); `allow_b=False`
+        reads it with Mode A even where the router would use the head (training both; A vs B)."""
         q = normalize_question(qid, q)
         qtype, criteria = q["type"], q["criteria"]
         if qtype == domain.CHOICE:
             k = len(criteria)
-            if k <= self.group_size:
+            how = self.route(k, allow_b)
+            if how == MODE_B:
+                self.check_marker(qid, q)
+                return QuestionPlan(qid, q, [self.marked_readout(state_text, q, list(range(k)))], route=MODE_B)
+            if how == MODE_A:
                 return QuestionPlan(qid, q, [self.choice_readout(state_text, q, list(range(k)))])
             n_groups = math.ceil(k / self.group_size)
             if n_groups > self.group_size:
                 raise RequestError(f"{k} options exceed what this tokenizer's {self.group_size} label codes can read")
             groups = [list(map(int, g)) for g in np.array_split(np.arange(k), n_groups)]
-            return QuestionPlan(qid, q, [self.choice_readout(state_text, q, g) for g in groups], groups)
+            return QuestionPlan(
+                qid, q, [self.choice_readout(state_text, q, g) for g in groups], groups, route=MODE_A_GROUPED
+            )
         if qtype == domain.SCORE:
             codes = self.codes.letters(len(criteria))
             text = prompt.score_text(q["instructions"], criteria, [c for c, _ in codes])
@@ -316,6 +395,8 @@ class Planner:
             raise RequestError("this model is text-only and cannot read images")
         text = self.state_text(state)
         qplans = [self.question(text, qid, q) for qid, q in questions.items()]
+        if any(qp.route == MODE_B for qp in qplans):
+            modeb.check_text(text, self.marker[0], "the state", ("state",))
         for qp in qplans:
             named = [a for a in images or () if any(a in s for s in _strings(qp.question))]
             if named:

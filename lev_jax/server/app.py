@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from lev_jax.engine import DecisionEngine
-from lev_jax.errors import ImageTooLargeError, RequestError, TokenLimitError
+from lev_jax.errors import ImageTooLargeError, RequestError, ReservedTextError, TokenLimitError
 from lev_jax.server import body as body_lib
 from lev_jax.server import errors as E
 from lev_jax.server import wire
@@ -261,6 +261,8 @@ def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> Fa
             counts = plan.token_counts()
         except (TokenLimitError, ImageTooLargeError) as e:
             raise E.too_large(str(e)) from None
+        except ReservedTextError as e:  # text the model reads as structure: a validation failure of that field
+            raise E.validation_error(e.loc, str(e), "value_error", None) from None
         except RequestError as e:
             raise E.ApiError(400, e.error_type, str(e)) from None
 
@@ -312,6 +314,7 @@ def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> Fa
                 "answers": ordered,
                 "usage": usage,
                 "x_cached_input_tokens": int(usage_reported.get("cached_input_tokens", 0)),
+                "x_readout": {qp.qid: qp.route for qp in plan.questions},
                 **(
                     {
                         "x_image_tokens": int(usage_reported["image_tokens"]),

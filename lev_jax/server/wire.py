@@ -181,6 +181,12 @@ class SystemOneResponse(BaseModel):
         description="Extension: of x_image_tokens, those whose vision features were cached (the same "
         "picture seen before): no vision tower ran for them.",
     )
+    x_readout: dict[str, Literal["mode_a", "mode_a_grouped", "mode_b"]] = Field(
+        default_factory=dict,
+        description="Extension: how each question was read: `mode_a` (one single-token label code per "
+        "option), `mode_a_grouped` (options in groups, then the group winners), `mode_b` (a trained head "
+        "scoring a reserved marker after each option, one row).",
+    )
 
 
 class ModelInfo(BaseModel):

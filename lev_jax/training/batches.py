@@ -9,6 +9,9 @@ exactly the token rows and label codes it is served:
   the round-1 readout of the group holding the gold option, and the round-2 readout of the group
   winners (`planner.winners_readout`: the gold for its group, a seeded random member of every other
   group standing in for that group's winner);
+* a Mode B choice (a planner with a head routes it there: `readout.route`): its marked row, the
+  options in a seeded random order (the head must not learn positions), and with `mode_b_joint`
+  also its Mode A rows as above (the fallback stays trained, and A and B can be compared);
 * a score: its one row (ordinal loss on);
 * a noul: the binary rows (target P(yes) = the rating target's expectation) or the 0..8 rating row
   (ordinal loss on), whichever `noul_readout` predict() serves.
@@ -30,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from lev_jax import buckets, domain
-from lev_jax.readout import Planner, Row, pack_prefixes, pack_rows
+from lev_jax.readout import MODE_B, Planner, Row, pack_prefixes, pack_rows
 
 # Training shape buckets: four lengths per octave (at most 25 % padding; fewer compiles than
 # serving's eight, and on the smollm2 mixture 9 shapes in 100 steps against 6 with two per octave),
@@ -85,11 +88,20 @@ def _rows_of(ro, target_n: np.ndarray, ordinal: bool, ex: Example) -> None:
 class Renderer:
     """Records -> Examples through one Planner (the serving planner's settings)."""
 
-    def __init__(self, planner: Planner, *, seed: int = 0, round2: bool = True, max_tokens: int | None = None):
+    def __init__(
+        self,
+        planner: Planner,
+        *,
+        seed: int = 0,
+        round2: bool = True,
+        max_tokens: int | None = None,
+        mode_b_joint: bool = True,
+    ):
         self.planner = planner
         self.seed = seed
         self.round2 = round2
         self.max_tokens = max_tokens
+        self.mode_b_joint = mode_b_joint
 
     def example(self, record: Mapping[str, Any], rng: np.random.Generator) -> Example | None:
         """The record's rows, or None when its prefix + longest row exceeds `max_tokens`."""
@@ -106,8 +118,23 @@ class Renderer:
                 _rows_of(ro, np.array([p_yes, 1.0 - p_yes]), False, ex)
             else:
                 _rows_of(ro, dist, True, ex)
-        elif qp.groups is None:
-            _rows_of(qp.readouts[0], dist, qtype in ORDINAL_QTYPES, ex)
+        elif qp.route == MODE_B:
+            order = [int(i) for i in rng.permutation(qp.readouts[0].n)]
+            _rows_of(p.marked_readout(text, qp.question, order), dist, False, ex)
+            if self.mode_b_joint:
+                self.mode_a_rows(p.question(text, "q", record["question"], allow_b=False), text, dist, rng, ex)
+        else:
+            self.mode_a_rows(qp, text, dist, rng, ex)
+        if self.max_tokens is not None and ex.longest > self.max_tokens:
+            return None
+        return ex
+
+    def mode_a_rows(self, qp, text: str, dist: np.ndarray, rng: np.random.Generator, ex: Example) -> None:
+        """A choice or score read with label codes: its readout's rows, or a grouped choice's round 1
+        (the gold's group) and round 2."""
+        p = self.planner
+        if qp.groups is None:
+            _rows_of(qp.readouts[0], dist, qp.question["type"] in ORDINAL_QTYPES, ex)
         else:
             # round 1: the gold's group (abstain rows, uniform over all options: a random group)
             gold = int(np.argmax(dist)) if dist.max() > dist.min() else None
@@ -124,9 +151,6 @@ class Renderer:
                     for i, g in enumerate(qp.groups)
                 ]
                 _rows_of(p.winners_readout(text, qp, winners), _normalised(dist[winners]), False, ex)
-        if self.max_tokens is not None and ex.longest > self.max_tokens:
-            return None
-        return ex
 
     def rng(self, epoch: int, index: int) -> np.random.Generator:
         """The seeded generator of one record in one epoch (same draws on resume, on any host)."""
@@ -212,8 +236,9 @@ def pack(
     """Padded numpy arrays of one step: E groups of rows sharing a computed prefix (`group_rows`),
     R rows per group, every size bucketed (E also rounded up to `multiple`, the devices the batch is
     split over; lengths at least `min_length`). Keys: prefix_EP, prefix_valid_EP and, per group row,
-    tokens_ERT, valid_ERT, answer_ER, label_ids_ERC, target_ERC, valid_ERC (real codes), level_ERC,
-    ordinal_ER, mode_ER, weight_ER (0 for padding rows; padding groups have no valid token).
+    tokens_ERT, valid_ERT, answer_ER, label_ids_ERC, markers_ERC and marked_ER (Mode B rows),
+    target_ERC, valid_ERC (real codes or markers), level_ERC, ordinal_ER, mode_ER, weight_ER (0 for
+    padding rows; padding groups have no valid token).
     Also returns the real tokens the step puts through the model (each prefix once, every suffix).
     `shared=False` gives every row its own group over its example's state prefix (no sharing: the
     reference the shared computation must equal)."""
@@ -228,7 +253,7 @@ def pack(
     R = _fit(max(len(g.rows) for g in groups), ROWS, MIN_ROWS)
     P = _fit(max(len(g.prefix) for g in groups), LENGTHS, min_length)
     T = _fit(max(len(t) for g in groups for _, _, t in g.rows), LENGTHS, min_length)
-    C = _fit(max(len(r.label_ids) for ex in examples for r in ex.rows), CODES, MIN_CODES)
+    C = _fit(max(r.width for ex in examples for r in ex.rows), CODES, MIN_CODES)
     prefix_EP, prefix_valid_EP = pack_prefixes([g.prefix for g in groups], E, P)
     out = {
         "prefix_EP": prefix_EP,
@@ -237,6 +262,8 @@ def pack(
         "valid_ERT": np.zeros((E, R, T), bool),
         "answer_ER": np.zeros((E, R), np.int32),
         "label_ids_ERC": np.zeros((E, R, C), np.int32),
+        "markers_ERC": np.zeros((E, R, C), np.int32),
+        "marked_ER": np.zeros((E, R), bool),
         "target_ERC": np.zeros((E, R, C), np.float32),
         "valid_ERC": np.zeros((E, R, C), bool),
         "level_ERC": np.zeros((E, R, C), np.float32),
@@ -245,11 +272,13 @@ def pack(
         "weight_ER": np.zeros((E, R), np.float32),
     }
     for g_i, g in enumerate(groups):
-        rb = pack_rows([Row(t, examples[e].rows[i].label_ids) for e, i, t in g.rows], R, T, C)
+        # each row after the group's prefix: what it does not share (its markers move with it)
+        rb = pack_rows([examples[e].rows[i].rebased(t) for e, i, t in g.rows], R, T, C)
         out["tokens_ERT"][g_i], out["valid_ERT"][g_i] = rb.tokens_BT, rb.valid_BT
         out["answer_ER"][g_i], out["label_ids_ERC"][g_i] = rb.answer_B, rb.label_ids_BC
+        out["markers_ERC"][g_i], out["marked_ER"][g_i] = rb.markers_BC, rb.marked_B
         for r_i, (e, i, _) in enumerate(g.rows):
-            ex, n = examples[e], len(examples[e].rows[i].label_ids)
+            ex, n = examples[e], examples[e].rows[i].width
             out["target_ERC"][g_i, r_i, :n] = ex.targets[i]
             out["valid_ERC"][g_i, r_i, :n] = True
             out["level_ERC"][g_i, r_i, :n] = ex.levels[i]

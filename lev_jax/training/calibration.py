@@ -157,6 +157,7 @@ def fit_run(cfg, run_dir: Path, backbone, data_dir: Path, *, out: Callable[[str]
         noul_readout=cfg.noul_readout,
         option_averaging=cfg.option_averaging,
         model_name=backbone.name,
+        mode_b_min_options=cfg.mode_b_min_options,  # the run's head (if any) reads what it will serve
     )
     rows = collect(engine, recs)
     cal = calibrate.fit(rows, splits=[SPLIT_NAME], model_id=backbone.name)

@@ -151,6 +151,11 @@ def _train_parser() -> argparse.ArgumentParser:
         help="plain (CE + Brier + ordinal) or rlcd (its policy term + the plain loss); "
         "on an existing run or with --resume it starts a stage from that checkpoint",
     )
+    ap.add_argument(
+        "--mode-b",
+        action="store_true",
+        help="train a Mode B scorer head with the adapter (large choices read in one marked row)",
+    )
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--fresh", action="store_true", help="move the old run aside and start from step 0")
@@ -183,6 +188,8 @@ def _overrides(args) -> dict:
         over["accelerator"] = args.accelerator
     if getattr(args, "loss", None) is not None:
         over["loss"] = args.loss
+    if getattr(args, "mode_b", False):
+        over["mode_b"] = True
     return over
 
 

@@ -56,6 +56,11 @@ class TrainConfig:
     layout: str = "state_first"
     noul_readout: str = domain.BINARY
     option_averaging: bool = True
+    # Mode B (readout.modeb): a scorer head trained with the adapter; large choices (at least
+    # mode_b_min_options, or more than the label codes) are then read in one marked row
+    mode_b: bool = False
+    mode_b_min_options: int = domain.MODE_B_MIN_OPTIONS
+    mode_b_joint: bool = True  # a Mode B example also trains its Mode A rows (the fallback, and A-vs-B agreement)
     # -- optimisation ----------------------------------------------------------------------------
     steps: int = 1000
     batch_size: int = 16  # examples per step (all of their rows train together)
@@ -123,6 +128,10 @@ class TrainConfig:
             (
                 self.noul_readout in domain.NOUL_READOUTS,
                 f"noul_readout must be one of {', '.join(domain.NOUL_READOUTS)}",
+            ),
+            (
+                self.mode_b_min_options >= domain.CHOICE_OPTIONS[0],
+                f"mode_b_min_options must be >= {domain.CHOICE_OPTIONS[0]}",
             ),
             (self.steps >= 1, "steps must be >= 1"),
             (self.batch_size >= 1, "batch_size must be >= 1"),

@@ -27,6 +27,7 @@ import numpy as np
 import optax
 
 from lev_jax import models, readout
+from lev_jax.readout import modeb
 from lev_jax.training import batches, checkpoint, lora
 from lev_jax.training import loss as loss_lib
 from lev_jax.training import mesh as mesh_lib
@@ -93,6 +94,10 @@ class Trainer:
             trainable = lora.init(
                 self.base, cfg.lora_rank, targets=cfg.lora_targets, top_layers=cfg.lora_layers, key=k_init
             )
+        if cfg.mode_b:  # the scorer head trains with the adapter (fp32, its own optimiser moments)
+            k_head, key = jax.random.split(key)
+            seed = int(jax.random.randint(k_head, (), 0, 2**31 - 1))
+            trainable = {**trainable, modeb.HEAD_KEY: modeb.init_head(self.model_cfg.hidden_size, seed=seed)}
         state = {
             "trainable": trainable,
             "opt_state": self.optimizer.init(trainable),
@@ -102,11 +107,12 @@ class Trainer:
 
     def state_shardings(self, state) -> dict:
         m = self.mesh
+        adapter, head = modeb.split(state["trainable"])
         t_sh = (
-            mesh_lib.param_shardings(state["trainable"], m)
-            if self.cfg.full_finetune
-            else mesh_lib.adapter_shardings(state["trainable"], m)
+            mesh_lib.param_shardings(adapter, m) if self.cfg.full_finetune else mesh_lib.adapter_shardings(adapter, m)
         )
+        if head is not None:  # small: every device holds it
+            t_sh = {**t_sh, modeb.HEAD_KEY: jax.tree.map(lambda _: mesh_lib.replicated(m), head)}
         return {
             "trainable": t_sh,
             "opt_state": mesh_lib.like(state["opt_state"], state["trainable"], t_sh, m),
@@ -116,13 +122,16 @@ class Trainer:
     # -- the step ----------------------------------------------------------------------------------
     def params(self, trainable, frozen):
         """The compute-dtype parameters the model runs with (differentiable in `trainable`)."""
+        adapter, _ = modeb.split(trainable)
         if self.cfg.full_finetune:
-            return models.cast_params(trainable, self.model_cfg, models.params_dtype(self.base))
-        return lora.apply(frozen, trainable, self.cfg.lora_scale)
+            return models.cast_params(adapter, self.model_cfg, models.params_dtype(self.base))
+        return lora.apply(frozen, adapter, self.cfg.lora_scale)
 
     def logits(self, trainable, frozen, batch):
-        """[E*R, C] label logits of a packed batch (groups of rows over computed prefixes)."""
-        return group_label_logits(self.params(trainable, frozen), batch, self.model_cfg, remat=self.cfg.remat)
+        """[E*R, C] scores of a packed batch (groups of rows over computed prefixes): label logits,
+        and the Mode B head's scores for marked rows."""
+        head = modeb.split(trainable)[1]
+        return group_scores(self.params(trainable, frozen), head, batch, self.model_cfg, remat=self.cfg.remat)
 
     def loss(self, trainable, frozen, batch, key=None):
         """(scalar, stats) of the configured loss; `key` draws RLCD's noise (unused by "plain")."""
@@ -172,10 +181,11 @@ class Trainer:
         return out
 
 
-def group_label_logits(params, batch, cfg, *, remat: str = "none"):
-    """[E*R, C] fp32 label logits: the E group prefixes computed in one forward (gradients flow
-    through them), then each group's R rows continuing its prefix as a 1-row shared cache
-    (`readout.rows_label_logits`, vmapped over groups): attention reads the prefix in place, so
+def group_scores(params, head, batch, cfg, *, remat: str = "none"):
+    """[E*R, C] fp32 scores: the E group prefixes computed in one forward (gradients flow through
+    them), then each group's R rows continuing its prefix as a 1-row shared cache
+    (`readout.rows_scores`, the serving readout, vmapped over groups: label logits, or with a Mode
+    B `head` its scores at the marked rows' markers): attention reads the prefix in place, so
     memory and work do not grow with copies of it per row, as with a per-row gathered cache."""
     E, R = batch["answer_ER"].shape
     _, cache = models.forward(
@@ -189,14 +199,15 @@ def group_label_logits(params, batch, cfg, *, remat: str = "none"):
     )
     mapped = jax.tree.map(lambda x: x.ndim > 0, cache)
 
-    def rows(cache_1, tokens_RT, valid_RT, answer_R, ids_RC):
+    def rows(cache_1, tokens_RT, valid_RT, answer_R, ids_RC, markers_RC, marked_R):
         cache_1 = jax.tree.map(lambda x, m: x[None] if m else x, cache_1, mapped)
-        return readout.rows_label_logits(params, cache_1, None, tokens_RT, valid_RT, answer_R, ids_RC, cfg, remat=remat)
+        return readout.rows_scores(
+            params, head, cache_1, None, tokens_RT, valid_RT, answer_R, ids_RC, markers_RC, marked_R, cfg, remat=remat
+        )
 
-    in_axes = (jax.tree.map(lambda m: 0 if m else None, mapped), 0, 0, 0, 0)
-    logits_ERC = jax.vmap(rows, in_axes=in_axes)(
-        cache, batch["tokens_ERT"], batch["valid_ERT"], batch["answer_ER"], batch["label_ids_ERC"]
-    )
+    in_axes = (jax.tree.map(lambda m: 0 if m else None, mapped), 0, 0, 0, 0, 0, 0)
+    names = ("tokens_ERT", "valid_ERT", "answer_ER", "label_ids_ERC", "markers_ERC", "marked_ER")
+    logits_ERC = jax.vmap(rows, in_axes=in_axes)(cache, *(batch[k] for k in names))
     return logits_ERC.reshape(E * R, -1)
 
 
@@ -339,8 +350,12 @@ def train(
         layout=cfg.layout,
         noul_readout=cfg.noul_readout,
         option_averaging=cfg.option_averaging,
+        mode_b=cfg.mode_b,
+        mode_b_min_options=cfg.mode_b_min_options,
     )
-    renderer = batches.Renderer(planner, seed=cfg.seed, round2=cfg.round2, max_tokens=cfg.max_tokens)
+    renderer = batches.Renderer(
+        planner, seed=cfg.seed, round2=cfg.round2, max_tokens=cfg.max_tokens, mode_b_joint=cfg.mode_b_joint
+    )
     it = data_iterator(cfg, data_dir, renderer)
     trainer = Trainer(cfg, backbone, mesh)
     state = trainer.init_state()

@@ -7,6 +7,7 @@
       adapter_config.json         itself a peft adapter, `PeftModel.from_pretrained(base, REL_DIR)`
       lev_release.json            the manifest: base model and its weights' hash, preset, step, prompt
                                   settings, calibration, held-out metrics, created, every file's sha256
+      mode_b_head.safetensors     the Mode B scorer head (fp32; a run trained with --mode-b)
       calibration.json            temperatures fitted on the run's calibration split (when it has them)
       tokenizer.json, tokenizer_config.json   the base's tokenizer (where it is a tokenizers one)
       README.md                   the model card: base, training, the held-out table
@@ -29,12 +30,15 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import safetensors.numpy
 
 from lev_jax.calibrate import CALIBRATION_FILE
 from lev_jax.errors import CheckpointError
 from lev_jax.loaders import peft
+from lev_jax.readout import modeb
 
 MANIFEST = "lev_release.json"
+HEAD_FILE = "mode_b_head.safetensors"
 CARD = "README.md"
 EVAL_DIR = "eval"
 FORMAT = 1
@@ -90,6 +94,16 @@ def _card(manifest: dict) -> str:
         f"--preset {train['preset']}` for {manifest['step']} steps. It reads decisions (choice, score, noul) "
         "from the next-token distribution over single-token label codes; nothing is generated.",
         "",
+        *(
+            [
+                f"Mode B: a scorer head (`{manifest['mode_b']['head']}`) reads choices of "
+                f"{manifest['mode_b']['min_options']} or more options in one row: each option is followed by a "
+                "reserved marker token and the head scores the hidden state there.",
+                "",
+            ]
+            if manifest.get("mode_b")
+            else []
+        ),
         "Serve it: `python -m serve --checkpoint THIS_DIR` or `lev_jax.load('THIS_DIR')`. It is also a peft "
         "adapter directory: `PeftModel.from_pretrained(base_model, 'THIS_DIR')`.",
         "",
@@ -140,10 +154,13 @@ def make(run_dir, out_dir, *, step: int | None = None, eval_dir=None) -> Path:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        adapter = {p: {"a": np.asarray(ab["a"]), "b": np.asarray(ab["b"])} for p, ab in trainable.items()}
+        lora_tree, head = modeb.split(trainable)
+        adapter = {p: {"a": np.asarray(ab["a"]), "b": np.asarray(ab["b"])} for p, ab in lora_tree.items()}
         peft.export(
             tmp, adapter, rank=cfg.lora_rank, alpha=cfg.lora_alpha, hf_config=base.hf_config, base_model=str(cfg.model)
         )
+        if head is not None:
+            safetensors.numpy.save_file(modeb.head_tensors(head), str(tmp / HEAD_FILE))
         calibrated = False
         cal_src = run_dir / CALIBRATION_FILE
         if cal_src.is_file() and json.loads(cal_src.read_text(encoding="utf-8")).get("model_id") == name:
@@ -181,7 +198,7 @@ def make(run_dir, out_dir, *, step: int | None = None, eval_dir=None) -> Path:
                 "steps": got_step,
             },
             "engine": {k: getattr(cfg, k) for k in run.ENGINE_KEYS},
-            "mode_b": False,
+            "mode_b": None if head is None else {"head": HEAD_FILE, "min_options": cfg.mode_b_min_options},
             "calibration": CALIBRATION_FILE if calibrated else None,
             "metrics": tasks,
             "files": files,
@@ -243,6 +260,13 @@ def load_release(release_dir, dtype: str = "float32"):
         hf_config=base.hf_config,
         vision=base.vision,
     )
+    if manifest.get("mode_b"):
+        try:
+            bb.mode_b_head = modeb.head_from_tensors(
+                safetensors.numpy.load_file(release_dir / manifest["mode_b"]["head"])
+            )
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{release_dir}: the Mode B head cannot be read ({e})") from None
     cal = None
     if manifest.get("calibration"):
         cal = Calibration.load(release_dir / manifest["calibration"], model_id=manifest["name"])

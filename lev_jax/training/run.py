@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 CONFIG = "config.json"
 CHECKPOINTS = "checkpoints"
 DATA = "data"
-ENGINE_KEYS = ("prompt_style", "layout", "noul_readout", "option_averaging")
+ENGINE_KEYS = ("prompt_style", "layout", "noul_readout", "option_averaging", "mode_b_min_options")
 SUPERSEDED = ("checkpoints", "history.json", "corrupt")  # plus every calibration* file
 
 
@@ -98,16 +98,21 @@ def model_name(base_name: str, cfg: TrainConfig, step: int) -> str:
 
 def merged(cfg: TrainConfig, base, trainable, step: int, dtype: str):
     """A Backbone serving `trainable` on `base` (an fp32 base): adapter folded in fp32, then cast."""
+    import jax
+    import jax.numpy as jnp
+
     from lev_jax import models
     from lev_jax.backbone import Backbone
+    from lev_jax.readout import modeb
     from lev_jax.training import lora
 
+    adapter, head = modeb.split(trainable)
     if cfg.full_finetune:
-        params = trainable
+        params = adapter
     else:
-        params = lora.merge(base.params, trainable, cfg.lora_scale)
+        params = lora.merge(base.params, adapter, cfg.lora_scale)
     params = models.cast_params(params, base.config, dtype)
-    return Backbone(
+    bb = Backbone(
         base.config,
         params,
         base.tokenizer,
@@ -116,6 +121,9 @@ def merged(cfg: TrainConfig, base, trainable, step: int, dtype: str):
         hf_config=base.hf_config,
         vision=base.vision,  # a VL base's tower is not trained: the served model still reads images
     )
+    if head is not None:  # the head stays fp32 whatever the compute dtype
+        bb.mode_b_head = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), head)
+    return bb
 
 
 def load_checkpoint(run_dir, step: int | None = None):

@@ -214,3 +214,18 @@ def test_request_text_holding_the_marker_is_refused_and_the_server_says_422(engi
         assert r.status_code == 200 and r.json()["x_readout"] == {"big": "mode_b", "small": "mode_a"}
         assert abs(sum(r.json()["answers"]["big"]["probabilities"].values()) - 1) < 1e-6
         assert httpx.get(s.url + "/health").json()["mode_b"]["min_options"] == 27
+
+
+def test_a_mode_b_batch_shape_is_recorded_and_rebuilt_with_the_same_programs(engine_b):
+    """Warm-up replays recorded shapes (readout.shapes): a Mode B row keeps its markers, so the
+    rebuilt batch runs the same Mode B programs."""
+    from lev_jax.readout import shapes
+
+    plan = engine_b.plan(STATE, {"big": _choice(151), "small": _choice(3)})
+    entries = [(plan.prefix_ids, plan.rows)]
+    sig = shapes.signature(entries)
+    rebuilt = shapes.synthesize(sig, engine_b.backbone.config.vocab_size)
+    assert [r.markers for r in rebuilt[0][1]] == [r.markers for r in plan.rows]
+    keys = engine_b.executor.batch_programs(entries)
+    assert keys == engine_b.executor.batch_programs(rebuilt)
+    assert any(k[0] == "chunk-marked" for k in keys) and any(k[-1] == "modeb" for k in keys)

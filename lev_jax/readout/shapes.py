@@ -41,7 +41,11 @@ def signature(entries) -> dict:
     return {
         "version": VERSION,
         "prefixes": [[len(p), *t] for p, t in zip(prefixes, _tree(prefixes))],
-        "rows": [[len(r.tokens), *t, r.header, r.stateless, len(r.label_ids)] for r, t in zip(rows, row_tree)],
+        # a Mode B row also keeps its marker positions (which calls read markers depends on them)
+        "rows": [
+            [len(r.tokens), *t, r.header, r.stateless, len(r.label_ids)] + ([list(r.markers)] if r.markers else [])
+            for r, t in zip(rows, row_tree)
+        ],
         "rows_per_entry": [len(rs) for _, rs in entries],
     }
 
@@ -67,9 +71,17 @@ def synthesize(sig: dict, vocab_size: int) -> list[tuple[list[int], list[Row]]]:
     if next_id + labels > vocab_size or len(prefixes) != len(sig["rows_per_entry"]):
         raise ValueError("shape signature does not fit this model")
     rows = [
-        Row(t, list(range(next_id, next_id + n_labels)), header=header, stateless=stateless)
-        for t, (_, _, _, header, stateless, n_labels) in zip(tokens, sig["rows"])
+        Row(
+            t,
+            list(range(next_id, next_id + spec[5])),
+            header=spec[3],
+            stateless=spec[4],
+            markers=list(spec[6]) if len(spec) > 6 else None,
+        )
+        for t, spec in zip(tokens, sig["rows"])
     ]
+    if any(r.markers and max(r.markers) >= len(r.tokens) for r in rows):
+        raise ValueError("shape signature does not fit this model")
     entries, k = [], 0
     for p, n in zip(prefixes, sig["rows_per_entry"]):
         entries.append((p, rows[k : k + n]))

@@ -86,6 +86,7 @@ class Engine:
         # called with the shape (readout.shapes.signature) of each batch that compiled a program: a
         # server records them so that its next start compiles them before it reports ready
         self.on_compile = None
+        self.release = None  # the manifest of the release served (lev_jax.load of a release directory)
 
     prompt_style = property(lambda self: self.planner.prompt_style)
     layout = property(lambda self: self.planner.layout)
@@ -230,6 +231,18 @@ class Engine:
             "prompt_style": self.prompt_style,
             "layout": self.layout,
             "calibrated": not self.calibration.is_identity,
+            # a served release: its name, step and held-out metrics (the card's table)
+            "release": None
+            if self.release is None
+            else {
+                "name": self.release["name"],
+                "step": self.release["step"],
+                "base": self.release["base"]["name"],
+                "metrics": [
+                    {"task": t["task"], "n": t["n"], **{k: t["metrics"].get(k) for k in ("accuracy", "ece")}}
+                    for t in self.release.get("metrics") or []
+                ],
+            },
             "mode_b": (
                 {"marker": self.planner.marker[0], "min_options": self.planner.mode_b_min_options}
                 if self.planner.marker
@@ -287,6 +300,7 @@ def load(
     calibration="auto",
     noul_readout: str | None = None,
     image_pixel_budget: int | None = None,
+    base_only: bool = False,
     **engine_kwargs,
 ) -> Engine:
     """An engine over `model` (None = the embedded default, a checkpoint directory, a .gguf file, a
@@ -301,13 +315,19 @@ def load(
     A run directory serves its newest checkpoint (adapter merged) with the prompt settings it was
     trained with (prompt style, layout, noul readout, option averaging: the served rows are the
     trained rows); arguments given here override them. `image_pixel_budget` (a vision checkpoint):
-    each image is resized to at most this many pixels (default `domain.IMAGE_PIXEL_BUDGET`)."""
+    each image is resized to at most this many pixels (default `domain.IMAGE_PIXEL_BUDGET`).
+
+    With no model the default is the fine-tuned release shipped inside the package (`DEFAULT_RELEASE`:
+    a LoRA adapter and calibration for the embedded SmolLM2, no download); `base_only=True` serves the
+    raw embedded model instead (with its zero-shot calibration profile)."""
     if checkpoint is not None:
         raise ValueError("checkpoint= is not supported; pass a training run directory as the model")
     runtime.enable_compilation_cache()
     dtype = runtime.resolve_dtype(dtype)
     settings = {"prompt_style": "chat", "noul_readout": domain.BINARY}
-    run_cal = served = None
+    run_cal = served = manifest = None
+    if model is None and not base_only and (DEFAULT_RELEASE / "lev_release.json").is_file():
+        model = DEFAULT_RELEASE
     if isinstance(model, Backbone):
         bb = model
     else:
@@ -320,7 +340,7 @@ def load(
         elif model is not None and release.is_release(model):
             bb, run_cal, manifest = release.load_release(model, dtype)
             settings.update(manifest["engine"])
-            served = f"release {manifest['name']}"
+            served = f"release {manifest['name']}" + (" (the shipped default)" if model == DEFAULT_RELEASE else "")
         elif model is not None and _is_adapter(model):
             bb = release.load_peft(model, dtype=dtype)
             served = f"peft adapter {model}"
@@ -339,10 +359,14 @@ def load(
         cal = run_cal
     else:
         cal = _resolve_calibration(calibration, model, bb)
-    return Engine(bb, calibration=cal, model_name=bb.name, checkpoint=served, **settings)
+    engine = Engine(bb, calibration=cal, model_name=bb.name, checkpoint=served, **settings)
+    engine.release = manifest
+    return engine
 
 
 PROFILES = Path(__file__).parent / "profiles"
+# the fine-tuned default (`python -m train release` of the smollm2 preset; EVAL.md says how it was made)
+DEFAULT_RELEASE = Path(__file__).parent / "default"
 
 
 def _resolve_calibration(calibration, model, bb) -> Calibration:

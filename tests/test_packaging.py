@@ -269,6 +269,11 @@ def test_wheel_holds_only_lev_jax(tmp_path):
     assert "lev_jax/cli.py" in names and "lev_jax/loaders/gguf_tokenizer.py" in names
     profiles = [n for n in names if n.startswith("lev_jax/profiles/")]
     assert any(n.endswith("/calibration.json") for n in profiles), profiles
+    # the fine-tuned default ships inside the wheel: adapter, manifest, calibration, card (<= 20 MB)
+    default = {n.removeprefix("lev_jax/default/"): n for n in names if n.startswith("lev_jax/default/")}
+    assert {"adapter_model.safetensors", "adapter_config.json", "lev_release.json", "README.md"} <= set(default)
+    with zipfile.ZipFile(wheel) as zf:
+        assert sum(zf.getinfo(n).file_size for n in default.values()) <= 20 << 20
     assert "lev = lev_jax.cli:main" in entry_points and "levbench = lev_jax.bench.cli:main" in entry_points
     core = [
         line.split(":", 1)[1].strip()

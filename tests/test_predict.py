@@ -110,7 +110,7 @@ def test_equals_reference_on_the_embedded_model(embedded):
     )
     # bf16 weights (matmuls at the bf16 rate, fp32 accumulation and residual stream): the shared-prefix
     # path agrees with bf16 independent forwards up to bf16 rounding, and with fp32 within ~1 point
-    bf16 = lev_jax.load(calibration=None, dtype="bfloat16")
+    bf16 = lev_jax.load(base_only=True, calibration=None, dtype="bfloat16")  # the raw embedded model
     fast16 = bf16.predict(STATE, qs)
     _check_well_formed(fast16)
     _assert_close(fast16, bf16.predict(STATE, qs, reference=True), tol=0.02)

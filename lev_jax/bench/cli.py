@@ -55,13 +55,20 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--prompt-style", default=None, help="chat (default) or plain; a run directory: as trained")
     p.add_argument("--noul-readout", choices=("binary", "rating"), default=None)
+    p.add_argument(
+        "--base-only", action="store_true", help="with no --model: the raw embedded model, not the shipped release"
+    )
 
 
 def _load_engine(args, calibration):
     import lev_jax
 
     return lev_jax.load(
-        model=args.model, prompt_style=args.prompt_style, calibration=calibration, noul_readout=args.noul_readout
+        model=args.model,
+        prompt_style=args.prompt_style,
+        calibration=calibration,
+        noul_readout=args.noul_readout,
+        base_only=args.base_only,
     )
 
 
@@ -114,6 +121,8 @@ def cmd_fit(args) -> int:
     from lev_jax import calibrate
 
     argv = ["python -m scripts.levbench", *map(shlex.quote, args.argv)]
+    # with no --model the fit is the raw embedded model's profile (lev_jax/profiles), never the release's
+    args.base_only = args.base_only or args.model is None
     rows, splits, report = [], [], {}
     engine = None
     if args.sets:

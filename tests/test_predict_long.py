@@ -79,8 +79,9 @@ def test_long_row_calls_are_bounded_and_shared_across_prefixes():
     calls = execute.Executor.long_row_calls(96, 96, row)
     assert [c[0] for c in calls] == ["chunk", "chunk", "chunk", "tail"]
     # every chunk's cache holds a whole number of chunks: prefixes of different lengths share programs
-    assert all(size % buckets.PREFILL_CHUNK == 0 for kind, size, _ in calls if kind == "chunk")
-    assert calls[-1][2] == buckets.fit(10, buckets.SUFFIX, "tail")
+    assert all(size % buckets.PREFILL_CHUNK == 0 for kind, size, *_ in calls if kind == "chunk")
+    # the tail's program: its length bucket and its label-codes bucket
+    assert calls[-1][2:] == (buckets.fit(10, buckets.SUFFIX, "tail"), buckets.fit(2, buckets.CODES, "codes"))
     assert execute.Executor.long_row_calls(480, 480, row)[:3] == calls[:3]
 
 

@@ -414,7 +414,7 @@ class Executor:
             cache,
             None,
             *map(jnp.asarray, (batch.tokens_BT, batch.valid_BT, batch.answer_B, batch.label_ids_BC)),
-            *map(jnp.asarray, (batch.markers_BC, batch.marked_B)),
+            *((jnp.asarray(batch.markers_BC), jnp.asarray(batch.marked_B)) if batch.marked else (None, None)),
             bb.config,
             anchored=False,  # one row, one call, no rerun to fall back on: the exact softmax
         )
@@ -467,8 +467,9 @@ class Executor:
                 jnp.asarray(batch.valid_BT),
                 jnp.asarray(batch.answer_B),
                 jnp.asarray(batch.label_ids_BC),
-                jnp.asarray(batch.markers_BC),
-                jnp.asarray(batch.marked_B),
+                # a call without Mode B rows neither sends nor reads markers (the Mode A program)
+                jnp.asarray(batch.markers_BC) if batch.marked else None,
+                jnp.asarray(batch.marked_B) if batch.marked else None,
                 bb.config,
             )
             logits = np.asarray(fn(*args))

@@ -28,6 +28,10 @@ PREFILL_CHUNK = 512  # longer prefixes prefill chunk by chunk (memory and cache 
 # beyond one chunk, prefixes come in whole chunks
 PREFIX = (0,) + geometric(32, PREFILL_CHUNK, 8) + tuple(range(2 * PREFILL_CHUNK, 32768 + 1, PREFILL_CHUNK))
 SUFFIX = geometric(8, 32768, 8)
+# the last tokens of a row longer than a chunk (read after its chunks): few sizes, because every one is
+# a program per cache size and a long row's tail depends on where its text happens to end; the padding
+# falls on a fraction of the row
+TAIL = geometric(32, PREFILL_CHUNK, 2)
 ROWS = geometric(1, 512, 2)
 CODES = (2, 9, 32, 128, 704)
 # rows x suffix bucket per call; more rows are split across calls of near-equal size

@@ -166,11 +166,30 @@ def test_the_default_grid_spans_the_common_state_sizes(engine):
     from lev_jax.server import warmup
 
     batches = warmup.default_batches(engine)
-    prefixes = sorted({len(engine.plan(s, q).prefix_ids) for batch in batches for s, q in batch[:1]})
-    assert len(prefixes) >= len(warmup.STATE_TOKENS)
+    sizes = sorted({len(engine.tokenizer.encode(s)) for batch in batches for s, q in batch[:1]})
+    assert len(sizes) >= len(warmup.STATE_TOKENS)
     for target in warmup.STATE_TOKENS:  # each target size is met within a few tokens
-        assert min(abs(p - target) for p in prefixes) <= 8
+        assert min(abs(p - target) for p in sizes) <= 8
     assert max(len(b) for b in batches) == max(warmup.CONCURRENT)
+
+
+def test_the_grid_shapes_cover_questions_about_a_document_of_any_length():
+    """With the schema first every question row carries the state: after the grid shapes (long-row
+    tails, prefix prefills) and nothing else, questions the grid never saw, about documents of
+    lengths it never saw, compile nothing."""
+    from lev_jax.server import warmup
+
+    eng = lev_jax.load(tiny_backbone("llama", seed=3), calibration=None, layout="schema_first", option_averaging=False)
+    sigs = warmup.long_row_shapes(eng) + warmup.prefill_shapes(eng)
+    assert len(sigs) <= 50  # the point: a bounded grid, not every bucket
+    for sig in sigs:
+        eng.warm(sig)
+    questions = {"t": TEAMS, "u": URGENT, "l": LEVEL}
+    for n in (530, 611, 777, 903, 1000):
+        state = warmup.state_of(eng, n)
+        assert all(len(r.tokens) > 512 for r in eng.plan(state, questions).rows)
+        assert eng.ready([(state, questions)]), n
+    assert not eng.ready([(warmup.state_of(eng, 1400), questions)])  # past two chunks: a larger cache
 
 
 TEAMS = {"type": "choice", "instructions": "Which team?", "criteria": {"Billing": "money", "Tech": None, "Sales": None}}

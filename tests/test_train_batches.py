@@ -126,6 +126,27 @@ def test_shared_prefix_gradients_equal_independent_rows(bb, layout):
     assert lora.n_params(g1) == lora.n_params(trainable)
 
 
+def test_rows_read_a_few_at_a_time_give_the_same_loss_and_gradients(bb):
+    """`rows_per_call` (lax.map over chunks of a group's rows, the last chunk padded) schedules the
+    work differently and computes the same thing."""
+    records = [_rec(f"Story {i}: the match went to penalties.", CHOICE, [0, 1, 0, 0], "choice") for i in range(5)]
+    ex = _examples(bb, records, layout="schema_first")
+    arrays, _ = batches.pack(ex)
+    assert arrays["tokens_ERT"].shape[1] > 5 and arrays["tokens_ERT"].shape[1] % 5  # a ragged last chunk
+    out = []
+    for k in (0, 5):
+        cfg = config.resolve("tiny", {"layout": "schema_first", "rows_per_call": k})
+        trainer = loop.Trainer(cfg, bb, mesh_lib.make(""))
+        trainable = jax.tree.map(lambda x: x + 0.05, trainer.init_state()["trainable"])
+        grad = jax.jit(jax.value_and_grad(lambda t, f, b: trainer.loss(t, f, b)[0]))
+        out.append(grad(trainable, trainer.frozen, arrays))
+    (l0, g0), (l5, g5) = out
+    assert float(l0) == pytest.approx(float(l5), abs=1e-6)
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g5)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0)
+    assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(g0)) > 1e-3
+
+
 def test_mode_b_examples_train_the_marked_row_shuffled_and_the_mode_a_rows(bb):
     """With a head (`--mode-b`) a routed choice trains its marked row, options in a seeded random
     order with the target following them, and (joint) the Mode A rows; the training step scores the

@@ -257,3 +257,37 @@ def test_mode_b_stage_adds_a_head_to_a_plain_run_and_then_resumes_exactly(tmp_pa
     q = train(again, "--resume", str(stage / "checkpoints" / "6"), *more)
     assert "at step 6" in q.stdout and "stage:" not in q.stdout
     _same_checkpoint(stage / "checkpoints" / "8", again / "checkpoints" / "8")
+
+
+def test_head_only_mode_b_stage_leaves_the_adapter_untouched(tmp_path):
+    """`--mode-b --set train_adapter=false`: the Mode B head learns (its loss window, a changed head
+    each step), the restored adapter is bit-identical afterwards (no gradient, no weight decay)."""
+    choices = ["--set", "readouts=choice"]  # every batch a choice: every step reaches the head
+    plain = tmp_path / "plain"
+    train(plain, "--steps", "2", "--checkpoint-every", "2", *choices, *FAST)
+    stage = tmp_path / "head-only"
+    args = ["--resume", str(plain / "checkpoints" / "2"), "--mode-b", "--set", "mode_b_min_options=2"]
+    p = train(stage, *args, "--set", "train_adapter=false", *choices, "--steps", "4", "--checkpoint-every", "1", *FAST)
+    assert "adapter frozen: only the Mode B head learns" in p.stdout and "step 4/4" in p.stdout
+    progress = _progress(stage)
+    assert all("marker" in e["loss_by_mode"] and "letter" not in e["loss_by_mode"] for e in progress)
+    from lev_jax.training import config, loop
+
+    # the fresh optimiser's schedule restarted at the stage: the progress line shows the rate it applies
+    _, schedule = loop.make_optimizer(config.resolve("tiny", {"steps": 4}))
+    assert [e["lr"] for e in progress] == pytest.approx([float(schedule(k)) for k in range(len(progress))])
+    import jax
+
+    before = jax.tree_util.tree_flatten_with_path(_restore(plain / "checkpoints" / "2", "trainable"))[0]
+    heads = []
+    for step in (3, 4):
+        after = dict(_restore(stage / "checkpoints" / str(step), "trainable"))
+        heads.append(after.pop("mode_b_head"))
+        flat = jax.tree_util.tree_flatten_with_path(after)[0]
+        assert [p for p, _ in flat] == [p for p, _ in before]
+        for (path, x), (_, y) in zip(before, flat):
+            assert np.array_equal(np.asarray(x), np.asarray(y)), f"adapter {jax.tree_util.keystr(path)} moved"
+    assert not np.array_equal(np.asarray(heads[0]["w1"]), np.asarray(heads[1]["w1"]))
+    # a head-only stage needs the head: refused in one line before any work
+    q = train(tmp_path / "bad", "--set", "train_adapter=false", check=False)
+    assert q.returncode == 2 and "train_adapter=false trains only the Mode B head" in q.stderr

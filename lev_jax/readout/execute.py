@@ -361,7 +361,7 @@ class Executor:
         the cache grown to hold it (to a multiple of the chunk, so these programs are shared by every
         prefix length), ("chunk-marked", slots, chunk, markers bucket) for a chunk holding Mode B
         markers (the head reads them on the way), then ("tail", slots, tail bucket, codes bucket
-        [, "modeb"]) reading the row's last tokens like any row."""
+        [, "modeb"]) reading the row's last tokens (padded to a `buckets.TAIL` size) like any row."""
         chunk = buckets.PREFILL_CHUNK
         n = len(row.tokens)
         calls, start = [], 0
@@ -374,7 +374,7 @@ class Executor:
                 calls.append(("chunk", slots, chunk))
             offset, start = offset + chunk, start + chunk
         tail = row.after(start)
-        key = ("tail", slots, buckets.fit(n - start, buckets.SUFFIX, "question length"))
+        key = ("tail", slots, buckets.fit(n - start, buckets.TAIL, "question length"))
         key += (buckets.fit(tail.width, buckets.CODES, "label codes"),)
         return calls + [key + (("modeb",) if tail.markers is not None else ())]
 

@@ -4,10 +4,13 @@ A program is compiled the first time a shape bucket is used (lev_jax/buckets.py)
 each costs about a second, and a first request needs several (its state's prefill, its rows, and
 the stacked shapes of concurrent requests). The warm-up runs a grid of representative requests
 through the engine while the server already answers (`/health` says "warming", then "ready"):
-states at the common prefix sizes x the common question mixes (a yes/no, a small choice, a
-score, and all three together), single and as concurrent micro-batches, smallest first, within a
-time budget. With the persistent compilation cache (lev_jax/runtime.py) a restarted server loads
-these programs from disk instead of compiling them, so its warm-up takes a fraction of the first.
+states at the common sizes x the common question mixes (a yes/no, a small choice, a score, and
+all three together), single; then the tails of rows longer than a prefill chunk and the prefill of
+every prefix size up to a chunk (shape signatures: `long_row_shapes`, `prefill_shapes`), which with
+the schema first is what a question about a document needs whatever its exact length; then
+concurrent micro-batches; smallest first, within a time budget. With the persistent compilation
+cache (lev_jax/runtime.py) a restarted server loads these programs from disk instead of compiling
+them, so its warm-up takes a fraction of the first.
 
 What the grid cannot guess is the shapes of the traffic a deployment really gets. A server with a
 compilation cache records the shape (no content: `readout.shapes`) of every batch that made it compile
@@ -54,12 +57,13 @@ WORDS = "the customer wrote about an order a refund and a late delivery again".s
 
 
 def state_of(engine, tokens: int) -> str:
-    """A state text whose prompt prefix is about `tokens` tokens long (binary search over words)."""
+    """A state text of about `tokens` tokens (binary search over words). Counted by the tokenizer, not
+    by the plan's prefix: with the schema first the state is read inside every question's row."""
     lo, hi = 1, max(2, tokens * 2)
     while lo < hi:
         mid = (lo + hi) // 2
         text = " ".join(WORDS[i % len(WORDS)] for i in range(mid))
-        if len(engine.plan(text, {"noul": NOUL}).prefix_ids) < tokens:
+        if len(engine.tokenizer.encode(text)) < tokens:
             lo = mid + 1
         else:
             hi = mid
@@ -75,6 +79,45 @@ def default_batches(engine) -> list[list[tuple]]:
         for state in states[: sum(t <= CONCURRENT_MAX_TOKENS for t in STATE_TOKENS)]:
             batches.append([(f"{state} ({i})", everything) for i in range(n)])
     return batches
+
+
+def long_row_shapes(engine) -> list[dict]:
+    """Shape signatures (`readout.shapes`) of the all-three mix with every row longer than a prefill
+    chunk, one per `buckets.TAIL` size. A row past a chunk is read chunk by chunk and then its tail,
+    whose length depends on where the row's text ends: with the schema first every question about a
+    state of more than a few hundred tokens is such a row, so these few programs are what a request
+    about a ~2 KB document needs, whatever its exact length."""
+    from lev_jax import buckets
+    from lev_jax.readout import shapes
+
+    plan = engine.plan(state_of(engine, STATE_TOKENS[0]), MIXES[-1])  # a short prefix: the common cache size
+    base = shapes.signature([(plan.prefix_ids, plan.rows)])
+    out = []
+    for tail in buckets.TAIL:
+        sig = json.loads(json.dumps(base))
+        for spec in sig["rows"]:
+            # [length, parent, shared, header, stateless, labels, ...]: a lead of `stateless` tokens
+            # joins the prefix; the rest is one chunk and the tail
+            spec[0] = spec[4] + buckets.PREFILL_CHUNK + tail
+        out.append(sig)
+    return out
+
+
+def prefill_shapes(engine) -> list[dict]:
+    """Shape signatures that compile the prefill of every prefix bucket up to one chunk, smallest
+    first, and nothing else (a one-chunk row whose tail `long_row_shapes` warms). With the schema first
+    a prefix is the header and a question's own text, so its length is the question's, not the
+    state's: every new question length would otherwise compile on the request path."""
+    from lev_jax import buckets
+    from lev_jax.readout import shapes
+
+    # [length, parent, shared, header, stateless, labels]
+    row = [buckets.PREFILL_CHUNK + buckets.TAIL[0], -1, 0, 0, 0, 2]
+    return [
+        {"version": shapes.VERSION, "prefixes": [[size, -1, 0]], "rows": [row], "rows_per_entry": [1]}
+        for size in buckets.PREFIX[1:]
+        if size <= buckets.PREFILL_CHUNK
+    ]
 
 
 class ShapeLog:
@@ -153,6 +196,11 @@ class Warmup:
         self.engine = engine
         self.budget_s = budget_s
         self.batches = batches
+        # long-row tails and prefix prefills (`long_row_shapes`, `prefill_shapes`), warmed between the
+        # single requests and the concurrent ones of the default grid; a caller's `batches` come without
+        self.shapes: list[dict] | None = None
+        self.shapes_planned = 0
+        self.shapes_done = 0
         self.shape_log = shape_log
         self.planned = 0 if batches is None else len(batches)
         self.recorded_planned = 0
@@ -188,14 +236,28 @@ class Warmup:
         try:
             self.warm_recorded(t0)
             batches = self.batches if self.batches is not None else default_batches(self.engine)
-            self.planned = len(batches)
-            for batch in batches:
+            sigs = self.shapes
+            if sigs is None:
+                sigs = [] if self.batches is not None else long_row_shapes(self.engine) + prefill_shapes(self.engine)
+            self.planned, self.shapes_planned = len(batches), len(sigs)
+            singles = [b for b in batches if len(b) == 1]
+            jobs = [(True, b) for b in singles] + [(False, s) for s in sigs]
+            jobs += [(True, b) for b in batches if len(b) != 1]
+            for is_batch, job in jobs:
                 if self._over(t0):
-                    self.stopped_early = self.done < self.planned
+                    self.stopped_early = True
                     break
-                results = self.engine.predict_many(batch)
-                self.failed += sum(isinstance(r, Exception) for r in results)
-                self.done += 1
+                if is_batch:
+                    results = self.engine.predict_many(job)
+                    self.failed += sum(isinstance(r, Exception) for r in results)
+                    self.done += 1
+                else:
+                    try:
+                        self.engine.warm(job)
+                    except ValueError as e:  # a shape past this configuration's limits
+                        log.info("skipping a warm-up shape (%s)", e)
+                        self.failed += 1
+                    self.shapes_done += 1
                 self.seconds = time.perf_counter() - t0
         except Exception:  # noqa: BLE001 — a failed warm-up must not take the server down
             log.exception("warm-up failed after %d of %d batches", self.done, self.planned)
@@ -203,11 +265,14 @@ class Warmup:
         self.seconds = time.perf_counter() - t0
         self.state = "ready"
         log.info(
-            "warm-up: %d of %d recorded shapes and %d of %d batches in %.1fs, %s programs compiled%s",
+            "warm-up: %d of %d recorded shapes, %d of %d batches and %d of %d grid shapes in %.1fs, "
+            "%s programs compiled%s",
             self.recorded_done,
             self.recorded_planned,
             self.done,
             self.planned,
+            self.shapes_done,
+            self.shapes_planned,
             self.seconds,
             self._compiled() - compiled0 if compiled0 is not None else "?",
             " (budget reached)" if self.stopped_early else "",
@@ -254,6 +319,8 @@ class Warmup:
             "batches_planned": self.planned,
             "recorded_shapes_done": self.recorded_done,
             "recorded_shapes_planned": self.recorded_planned,
+            "grid_shapes_done": self.shapes_done,
+            "grid_shapes_planned": self.shapes_planned,
             "failed": self.failed,
             "seconds": round(self.seconds if self.state == "ready" else self.seconds, 3),
             "budget_s": self.budget_s,

@@ -38,6 +38,7 @@ RESUMABLE = frozenset(
         "calibration_rows",
         "mesh",
         "accelerator",
+        "rows_per_call",  # how rows are scheduled, not what is computed
         # a loss stage: the plain loss's run continued with RLCD (history.json records a "stage")
         "loss",
         "rlcd_samples",

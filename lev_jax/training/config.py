@@ -39,6 +39,7 @@ class TrainConfig:
     lora_targets: tuple[str, ...] = lora.DEFAULT_TARGETS
     lora_layers: int = 0  # > 0: adapt only the last that many decoder layers (the rest run forward only)
     remat: str = "none"  # per-layer rematerialisation policy (lev_jax.models.REMAT_POLICIES)
+    rows_per_call: int = 0  # > 0: a group's rows are read that many at a time (lax.map; CPUs: long rows)
     # -- data ----------------------------------------------------------------------------------
     data: str = ""  # a `python -m data build` directory; "" = build `data_recipe` into RUN_DIR/data
     data_recipe: str = ""  # "tiny" (synthetic, offline, seconds), "offline" (the offline mixture) or ""
@@ -61,6 +62,9 @@ class TrainConfig:
     mode_b: bool = False
     mode_b_min_options: int = domain.MODE_B_MIN_OPTIONS
     mode_b_joint: bool = True  # a Mode B example also trains its Mode A rows (the fallback, and A-vs-B agreement)
+    # False: only the heads learn, the adapter stays as restored (a Mode B stage that costs a forward
+    # per step, not a backward through the backbone: how the embedded default gets its head on a CPU)
+    train_adapter: bool = True
     # -- optimisation ----------------------------------------------------------------------------
     steps: int = 1000
     batch_size: int = 16  # examples per step (all of their rows train together)
@@ -133,6 +137,11 @@ class TrainConfig:
                 self.mode_b_min_options >= domain.CHOICE_OPTIONS[0],
                 f"mode_b_min_options must be >= {domain.CHOICE_OPTIONS[0]}",
             ),
+            (
+                self.train_adapter or self.mode_b,
+                "train_adapter=false trains only the Mode B head: it needs --mode-b",
+            ),
+            (self.rows_per_call >= 0, "rows_per_call must be >= 0 (0 = all of a group's rows at once)"),
             (self.steps >= 1, "steps must be >= 1"),
             (self.batch_size >= 1, "batch_size must be >= 1"),
             (self.lr > 0, "lr must be > 0"),

@@ -50,6 +50,17 @@ def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, opta
     return opt, schedule
 
 
+def schedule_count(opt_state, default):
+    """The step count the optimiser's learning-rate schedule is at: the run's step, except after a
+    stage that started a fresh optimiser (its schedule restarted there)."""
+    found = [
+        x.count
+        for x in jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState))
+        if isinstance(x, optax.ScaleByScheduleState)
+    ]
+    return found[0] if found else default
+
+
 def fingerprint(cfg: TrainConfig, backbone) -> dict:
     """What identifies the base model a checkpoint belongs to."""
     mc = backbone.config
@@ -131,7 +142,14 @@ class Trainer:
         """[E*R, C] scores of a packed batch (groups of rows over computed prefixes): label logits,
         and the Mode B head's scores for marked rows."""
         head = modeb.split(trainable)[1]
-        return group_scores(self.params(trainable, frozen), head, batch, self.model_cfg, remat=self.cfg.remat)
+        return group_scores(
+            self.params(trainable, frozen),
+            head,
+            batch,
+            self.model_cfg,
+            remat=self.cfg.remat,
+            rows_per_call=self.cfg.rows_per_call,
+        )
 
     def loss(self, trainable, frozen, batch, key=None):
         """(scalar, stats) of the configured loss; `key` draws RLCD's noise (unused by "plain")."""
@@ -146,14 +164,26 @@ class Trainer:
         # the state's key advances every step (one split); the step's noise is the split's other half,
         # so exact resume reproduces it
         next_key, noise_key = jax.random.split(jax.random.wrap_key_data(state["train"]["rng"]))
-        (value, stats), grads = jax.value_and_grad(self.loss, has_aux=True)(
-            state["trainable"], frozen, batch, noise_key
-        )
+        if self.cfg.train_adapter:
+            (value, stats), grads = jax.value_and_grad(self.loss, has_aux=True)(
+                state["trainable"], frozen, batch, noise_key
+            )
+        else:  # the head alone: no gradient flows into the backbone, whose forward is all the step runs
+            adapter, head = modeb.split(state["trainable"])
+
+            def head_loss(h):
+                return self.loss({**adapter, modeb.HEAD_KEY: h}, frozen, batch, noise_key)
+
+            (value, stats), g_head = jax.value_and_grad(head_loss, has_aux=True)(head)
+            grads = {**jax.tree.map(jnp.zeros_like, adapter), modeb.HEAD_KEY: g_head}
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["trainable"])
+        if not self.cfg.train_adapter:  # weight decay must not move the frozen adapter either
+            updates = {**jax.tree.map(jnp.zeros_like, modeb.split(updates)[0]), modeb.HEAD_KEY: updates[modeb.HEAD_KEY]}
         trainable = optax.apply_updates(state["trainable"], updates)
         step = state["train"]["step"]
         rng = jax.random.key_data(next_key)
-        metrics = {"loss": value, **stats, "grad_norm": optax.global_norm(grads), "lr": self.schedule(step)}
+        lr = self.schedule(schedule_count(state["opt_state"], step))
+        metrics = {"loss": value, **stats, "grad_norm": optax.global_norm(grads), "lr": lr}
         return {"trainable": trainable, "opt_state": opt_state, "train": {"step": step + 1, "rng": rng}}, metrics
 
     def step(self, state, batch):
@@ -181,12 +211,15 @@ class Trainer:
         return out
 
 
-def group_scores(params, head, batch, cfg, *, remat: str = "none"):
+def group_scores(params, head, batch, cfg, *, remat: str = "none", rows_per_call: int = 0):
     """[E*R, C] fp32 scores: the E group prefixes computed in one forward (gradients flow through
     them), then each group's R rows continuing its prefix as a 1-row shared cache
     (`readout.rows_scores`, the serving readout, vmapped over groups: label logits, or with a Mode
     B `head` its scores at the marked rows' markers): attention reads the prefix in place, so
-    memory and work do not grow with copies of it per row, as with a per-row gathered cache."""
+    memory and work do not grow with copies of it per row, as with a per-row gathered cache.
+    `rows_per_call` > 0 reads a group's rows that many at a time, one after another (`lax.map`):
+    the same scores, but a CPU keeps a few long rows' activations in its caches where all of them
+    at once run several times slower per token (docs/training.md)."""
     E, R = batch["answer_ER"].shape
     _, cache = models.forward(
         params,
@@ -204,6 +237,17 @@ def group_scores(params, head, batch, cfg, *, remat: str = "none"):
         return readout.rows_scores(
             params, head, cache_1, None, tokens_RT, valid_RT, answer_R, ids_RC, markers_RC, marked_R, cfg, remat=remat
         )
+
+    if 0 < rows_per_call < R:
+        whole = rows
+        k = rows_per_call
+
+        def rows(cache_1, *per_row):  # noqa: F811 - the same rows, `k` at a time
+            pad = -R % k
+            padded = [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in per_row]
+            chunks = [x.reshape(-1, k, *x.shape[1:]) for x in padded]
+            out = jax.lax.map(lambda xs: whole(cache_1, *xs), tuple(chunks))
+            return out.reshape(-1, *out.shape[2:])[:R]
 
     in_axes = (jax.tree.map(lambda m: 0 if m else None, mapped), 0, 0, 0, 0, 0, 0)
     names = ("tokens_ERT", "valid_ERT", "answer_ER", "label_ids_ERC", "markers_ERC", "marked_ER")
@@ -354,7 +398,12 @@ def train(
         mode_b_min_options=cfg.mode_b_min_options,
     )
     renderer = batches.Renderer(
-        planner, seed=cfg.seed, round2=cfg.round2, max_tokens=cfg.max_tokens, mode_b_joint=cfg.mode_b_joint
+        planner,
+        seed=cfg.seed,
+        round2=cfg.round2,
+        max_tokens=cfg.max_tokens,
+        # Mode A rows train the adapter: with it frozen they would cost a forward and teach nothing
+        mode_b_joint=cfg.mode_b_joint and cfg.train_adapter,
     )
     it = data_iterator(cfg, data_dir, renderer)
     trainer = Trainer(cfg, backbone, mesh)
@@ -426,7 +475,9 @@ def train(
     out(
         f"training {cfg.preset}: steps {start}..{cfg.steps}, {cfg.batch_size} examples/step, "
         f"{'full fine-tune' if cfg.full_finetune else f'LoRA r{cfg.lora_rank}'} "
-        f"({lora.n_params(state['trainable']):,} trainable parameters), {cfg.dtype}, mesh {dict(mesh.shape)}, "
+        f"({lora.n_params(state['trainable']):,} trainable parameters"
+        f"{'' if cfg.train_adapter else '; adapter frozen: only the Mode B head learns'}), {cfg.dtype}, "
+        f"mesh {dict(mesh.shape)}, "
         f"{len(jax.devices())} {jax.devices()[0].platform} device(s)"
     )
 

@@ -63,7 +63,7 @@ class TrainConfig:
     mode_b_min_options: int = domain.MODE_B_MIN_OPTIONS
     mode_b_joint: bool = True  # a Mode B example also trains its Mode A rows (the fallback, and A-vs-B agreement)
     # False: only the heads learn, the adapter stays as restored (a Mode B stage that costs a forward
-    # per step, not a backward through the backbone: how the embedded default gets its head on a CPU)
+    # per step, not a backward through the backbone: a head for a Mode A run where compute is scarce)
     train_adapter: bool = True
     # -- optimisation ----------------------------------------------------------------------------
     steps: int = 1000

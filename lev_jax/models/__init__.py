@@ -94,11 +94,16 @@ def forward(
     remat: str = "none",
     embeds_BTE=None,
     embeds_mask_BT=None,
+    hidden_BTE=None,
+    layer_range: tuple[int, int] | None = None,
+    final_norm: bool = True,
 ):
     """(hidden, new_cache): the final-normed hidden state at `readout_BR` (or every new token), and the
     cache as `cache_write` asks (CausalLM.__call__). `remat`: a REMAT_POLICIES name, how each
     layer is rematerialised when this is differentiated. `embeds_BTE` / `embeds_mask_BT`: input
-    embeddings (image features) replacing the token embeddings where the mask is set."""
+    embeddings (image features) replacing the token embeddings where the mask is set.
+    `layer_range` / `hidden_BTE` / `final_norm`: run a slice of the layers (elastic depth,
+    CausalLM.__call__)."""
     return bind(params, cfg)(
         tokens_BT,
         cache,
@@ -110,7 +115,19 @@ def forward(
         remat,
         embeds_BTE,
         embeds_mask_BT,
+        hidden_BTE=hidden_BTE,
+        layer_range=layer_range,
+        final_norm=final_norm,
     )
+
+
+def final_norm(params, x, cfg):
+    """The model's final norm over a raw residual stream (`forward(..., final_norm=False)`)."""
+    return bind(params, cfg).norm(x)
+
+
+def num_layers(cfg) -> int:
+    return int(cfg.num_hidden_layers)
 
 
 def head_logits(params, hidden, cfg, token_ids=None):

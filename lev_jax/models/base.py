@@ -73,6 +73,9 @@ class CausalLM(nnx.Module):
         remat: str = "none",
         embeds_BTE=None,
         embeds_mask_BT=None,
+        hidden_BTE=None,
+        layer_range: tuple[int, int] | None = None,
+        final_norm: bool = True,
     ):
         """Run T new tokens after `cache` (None: no context). Returns (hidden, new_cache) where hidden
         is the final-normed state at `readout_BR` ([B, R, E], indices into the T new tokens) or at
@@ -87,12 +90,26 @@ class CausalLM(nnx.Module):
         (the forward values are the same under every policy).
         `embeds_BTE` / `embeds_mask_BT`: input embeddings that replace the token embeddings where the
         mask is set (image features at their placeholder tokens); `positions_BT` may then be
-        [3, B, T] multimodal positions (layers.rope_cos_sin)."""
+        [3, B, T] multimodal positions (layers.rope_cos_sin).
+        `layer_range` (start, stop): run only layers [start, stop) (elastic depth: an exit after layer
+        `stop` computes and caches nothing deeper). With start > 0 the input is `hidden_BTE`, the
+        residual stream after layer `start` (saved by a shallower call), instead of the token
+        embeddings; the cache then holds layers [0, start) already (or is None: the call computes the
+        cache of layers [start, stop) alone, `elastic.stack_layers` puts the two together). An APPEND
+        or SEGMENT cache comes back with layers [0, stop). `final_norm=False` returns the raw
+        residual stream (what a deeper call continues, and what an exit adapter reads)."""
         if not isinstance(cache_write, CacheWrite):
             raise ValueError(
                 f"cache_write must be a CacheWrite ({', '.join(m.name for m in CacheWrite)}), not {cache_write!r}"
             )
         policy = remat_policy(remat)
+        start, stop = (0, len(self.layers)) if layer_range is None else (int(layer_range[0]), int(layer_range[1]))
+        if not 0 <= start < stop <= len(self.layers):
+            raise ValueError(f"layer_range must be 0 <= start < stop <= {len(self.layers)}, not {layer_range}")
+        if (start > 0) != (hidden_BTE is not None):
+            raise ValueError("hidden_BTE (the residual stream after layer start) comes exactly with a start > 0")
+        if cache is not None and len(cache["layers"]) < stop:
+            raise ValueError(f"the cache holds {len(cache['layers'])} layers; a call to layer {stop} needs them all")
         B, T = tokens_BT.shape
         if valid_BT is None:
             valid_BT = jnp.ones((B, T), bool)
@@ -109,12 +126,17 @@ class CausalLM(nnx.Module):
             cache_write=cache_write,
             anchored_softmax=anchored_softmax,
         )
-        x = self.embed_tokens(tokens_BT).astype(jnp.float32)  # the residual stream is fp32 (layers.py)
-        if embeds_BTE is not None:
-            x = jnp.where(embeds_mask_BT[..., None], embeds_BTE.astype(jnp.float32), x)
-        new_layers = []
-        for i, layer in enumerate(self.layers):
-            x, layer_cache = _call_layer(layer, x, ctx, None if cache is None else cache["layers"][i], policy)
+        if hidden_BTE is not None:
+            x = hidden_BTE.astype(jnp.float32)
+        else:
+            x = self.embed_tokens(tokens_BT).astype(jnp.float32)  # the residual stream is fp32 (layers.py)
+            if embeds_BTE is not None:
+                x = jnp.where(embeds_mask_BT[..., None], embeds_BTE.astype(jnp.float32), x)
+        # layers below `start` were run by an earlier call; their caches pass through unchanged
+        new_layers = [] if cache is None else list(cache["layers"][:start])
+        for i in range(start, stop):
+            layer_cache = None if cache is None else cache["layers"][i]
+            x, layer_cache = _call_layer(self.layers[i], x, ctx, layer_cache, policy)
             new_layers.append(layer_cache)
         if readout_BR is not None:  # the final norm (and later the head) only where a readout needs it
             x = jnp.take_along_axis(x, readout_BR[..., None].astype(jnp.int32), axis=1)
@@ -124,7 +146,7 @@ class CausalLM(nnx.Module):
             new_cache = cache_lib.advance(cache, B, valid_BT, tuple(new_layers))
         else:
             new_cache = None
-        return self.norm(x), new_cache
+        return (self.norm(x) if final_norm else x), new_cache
 
     def head(self, hidden_BRE, token_ids=None):
         """Vocabulary logits in fp32, over all rows of the head or only `token_ids` ([N] -> [..., N])."""

@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lev_jax import models, testing
-from lev_jax.elastic import exits as ex
+from lev_jax import models, readout, testing
+from lev_jax.elastic import cascade as ex
+from lev_jax.readout import exits as exits_lib
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3_5"])
@@ -22,7 +23,7 @@ def model(request):
     cfg = models.config_from_hf(hf)
     params = models.random_params(cfg, "float32", seed=1, init_std=0.3)
     # trained-looking adapters: `b` nonzero so every exit's map matters
-    adapters = ex.init_exits(cfg, (1, 2, 3, 4), rank=4, seed=2)
+    adapters = exits_lib.init_exits(cfg, (1, 2, 3, 4), rank=4, seed=2)
     adapters = {
         d: {**a, "b": 0.2 * jax.random.normal(jax.random.key(int(d)), a["b"].shape), "scale": a["scale"] * 1.5}
         for d, a in adapters.items()
@@ -60,7 +61,7 @@ def reference(hf, params, adapters, d, prefix, rows, valid, answer, labels):
         x, _ = models.forward(p, seq, None, cfg, final_norm=False)
         x = x[0, prefix.shape[1] + int(answer[b])]
         if d < 4:  # the full model has no exit adapter
-            x = ex.apply_exit(adapters[str(d)], x)
+            x = exits_lib.apply_exit(adapters[str(d)], x)
         out.append(models.label_logits(p, models.final_norm(p, x, cfg)[None], labels[b : b + 1], cfg)[0])
     return np.stack(out)
 
@@ -115,19 +116,19 @@ def test_cascade_equals_a_direct_deeper_readout(model, d1, d2):
 
 def test_an_untrained_exit_is_the_logit_lens(model):
     hf, cfg, params, _ = model
-    fresh = ex.init_exits(cfg, ex.default_depths(cfg), rank=4)
+    fresh = exits_lib.init_exits(cfg, exits_lib.default_depths(cfg), rank=4)
     assert sorted(map(int, fresh)) == [1, 2, 3]  # every exit below L, none at L
     x = jax.random.normal(jax.random.key(0), (3, cfg.hidden_size))
-    np.testing.assert_array_equal(np.asarray(ex.apply_exit(fresh["2"], x)), np.asarray(x))
+    np.testing.assert_array_equal(np.asarray(exits_lib.apply_exit(fresh["2"], x)), np.asarray(x))
 
 
 def test_bad_depths_are_refused_before_any_work(model):
     hf, cfg, params, adapters = model
     prefix, pvalid, rows, valid, answer, labels = batch()
     with pytest.raises(ValueError, match="exit depths"):
-        ex.init_exits(cfg, (0, 2))
+        exits_lib.init_exits(cfg, (0, 2))
     with pytest.raises(ValueError, match="exit depths"):
-        ex.check_depths(cfg, (5,))
+        exits_lib.check_depths(cfg, (5,))
     shallow = ex.prefill(params, prefix, pvalid, cfg, 2)
     with pytest.raises(ValueError, match="deepen first"):
         ex.read(params, adapters, shallow, rows, valid, answer, labels, cfg, 3)
@@ -139,3 +140,21 @@ def test_bad_depths_are_refused_before_any_work(model):
         models.forward(params, rows, None, cfg, layer_range=(2, 5))
     with pytest.raises(ValueError, match="hidden_BTE"):
         models.forward(params, rows, None, cfg, layer_range=(1, 2))
+
+
+def test_every_exit_in_one_pass_is_the_shared_readout(model):
+    """`readout.rows_exit_logits` (what training reads exits with) over a full cache: each exit equals
+    reading that exit alone, and the last is `rows_label_logits`, the serving readout."""
+    hf, cfg, params, adapters = model
+    prefix, pvalid, rows, valid, answer, labels = batch(3)
+    full = ex.prefill(params, prefix, pvalid, cfg, 4)
+    every, _ = readout.rows_exit_logits(params, adapters, full.cache, None, rows, valid, answer, labels, cfg, (1, 2, 4))
+    for d in (1, 2):
+        alone = ex.read(
+            params, adapters, ex.prefill(params, prefix, pvalid, cfg, d), rows, valid, answer, labels, cfg, d
+        )
+        np.testing.assert_allclose(np.asarray(every[d]), np.asarray(alone.logits_BC), atol=1e-5, rtol=1e-5)
+    served = readout.rows_label_logits(params, full.cache, None, rows, valid, answer, labels, cfg)
+    np.testing.assert_allclose(np.asarray(every[4]), np.asarray(served), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="ascending"):
+        readout.rows_exit_logits(params, adapters, full.cache, None, rows, valid, answer, labels, cfg, (2, 1))

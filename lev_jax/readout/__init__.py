@@ -9,6 +9,7 @@ from lev_jax.readout.logits import (
     pack_prefixes,
     pack_rows,
     prefixed_label_logits,
+    rows_exit_logits,
     rows_label_logits,
     rows_scores,
 )

@@ -19,6 +19,7 @@ import numpy as np
 
 from lev_jax import models
 from lev_jax.models import cache as cache_lib
+from lev_jax.readout import exits as exits_lib
 from lev_jax.readout import modeb
 
 
@@ -104,6 +105,52 @@ def rows_label_logits(
     serve comes out NaN."""
     hidden_BRE = rows_hidden(params, cache, prefix_B, tokens_BT, valid_BT, answer_B[:, None], cfg, anchored, remat)
     return models.label_logits(params, hidden_BRE[:, 0], label_ids_BC, cfg)
+
+
+def rows_exit_logits(
+    params,
+    exits,
+    cache,
+    prefix_B,
+    tokens_BT,
+    valid_BT,
+    answer_B,
+    label_ids_BC,
+    cfg,
+    depths,
+    *,
+    start: int = 0,
+    resid_BTE=None,
+    remat: str = "none",
+):
+    """({depth: [B, C] fp32 label logits}, the rows' raw residual stream after the deepest exit) of B
+    rows continuing `cache` (as `rows_label_logits`), read at each exit in `depths` (ascending) in
+    one pass: the layers run in slices between consecutive exits, each continuing the last one's
+    residual stream, and each exit reads its adapter, the final norm and the label rows
+    (readout.exits). `start` > 0 continues rows already run to that depth (`resid_BTE`); the cache
+    must hold at least the deepest exit's layers. At depth L this is `rows_label_logits`."""
+    if prefix_B is not None:
+        cache = cache_lib.index_rows(cache, prefix_B)
+    out, x = {}, resid_BTE
+    for d in depths:
+        if d <= start:
+            raise ValueError(f"exit depths must be ascending and past start={start}, not {tuple(depths)}")
+        x, _ = models.forward(
+            params,
+            tokens_BT,
+            cache,
+            cfg,
+            valid_BT=valid_BT,
+            cache_write=models.CacheWrite.NONE,
+            hidden_BTE=x,
+            layer_range=(start, d),
+            final_norm=False,
+            remat=remat,
+        )
+        at_BE = jnp.take_along_axis(x, answer_B[:, None, None].astype(jnp.int32), axis=1)[:, 0]
+        out[d] = models.label_logits(params, exits_lib.exit_hidden(params, exits, at_BE, d, cfg), label_ids_BC, cfg)
+        start = d
+    return out, x
 
 
 def rows_scores(

@@ -1,0 +1,73 @@
+"""Exit readouts (elastic depth): the label readout applied to the residual stream after layer d.
+
+An exit adapter maps the residual stream after layer d towards what the final layer would have
+produced, so the model's own final norm and vocabulary/label head are shared by every exit:
+
+    x_d  -> x_d + (rmsnorm(x_d) * scale) @ a @ b  -> final norm -> label rows of the head
+
+`a` [E, r] and `b` [r, E] are low rank (`b` starts at zero: an untrained exit is the plain "logit
+lens" of layer d); the norm's statistics are fp32. Adapters are a plain pytree {str(d): adapter},
+trained like a LoRA tree; the exit at d = L (the full model) has none and is today's readout exactly.
+
+Rows are read at exits by `readout.logits.rows_exit_logits` (the readout every row goes through);
+`elastic.cascade` computes prefixes to a depth and continues them deeper.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from lev_jax import models
+
+NORM_EPS = 1e-6
+
+
+def init_exits(cfg, depths, rank: int = 8, seed: int = 0, dtype: str = "float32") -> dict:
+    """Fresh adapters for every exit in `depths` below the model's depth (the last layer needs none).
+    `a` ~ normal(0, 1/sqrt(E)), `b` = 0, `scale` = 1."""
+    L, E = models.num_layers(cfg), int(cfg.hidden_size)
+    depths = check_depths(cfg, depths)
+    out = {}
+    for d in (d for d in depths if d < L):
+        key = jax.random.fold_in(jax.random.key(seed), d)
+        out[str(d)] = {
+            "scale": jnp.ones((E,), jnp.float32),
+            "a": (jax.random.normal(key, (E, rank), jnp.float32) / jnp.sqrt(E)).astype(dtype),
+            "b": jnp.zeros((rank, E), dtype),
+        }
+    return out
+
+
+def check_depths(cfg, depths) -> tuple[int, ...]:
+    """`depths` as a sorted tuple of distinct layer counts in [1, L]; ValueError otherwise."""
+    L = models.num_layers(cfg)
+    out = tuple(sorted({int(d) for d in depths}))
+    if not out or out[0] < 1 or out[-1] > L:
+        raise ValueError(f"exit depths must be layer counts in [1, {L}], not {list(depths)}")
+    return out
+
+
+def default_depths(cfg) -> tuple[int, ...]:
+    """L/4, L/2, 3L/4 and L (rounded, distinct, at least 1)."""
+    L = models.num_layers(cfg)
+    return check_depths(cfg, [max(1, round(L * f)) for f in (0.25, 0.5, 0.75)] + [L])
+
+
+def apply_exit(adapter, x_raw):
+    """The adapter's residual map of a raw residual stream [..., E] (fp32 out)."""
+    x = x_raw.astype(jnp.float32)
+    normed = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + NORM_EPS) * adapter["scale"]
+    w_a, w_b = adapter["a"], adapter["b"]
+    low = jnp.einsum("...e,er->...r", normed.astype(w_a.dtype), w_a, preferred_element_type=jnp.float32)
+    return x + jnp.einsum("...r,re->...e", low.astype(w_b.dtype), w_b, preferred_element_type=jnp.float32)
+
+
+def exit_hidden(params, exits, x_raw, depth: int, cfg):
+    """The final-normed hidden state an exit at `depth` reads labels from: the model's own final
+    norm of the raw stream at d = L, of the adapted stream below. KeyError names a missing exit."""
+    if depth < models.num_layers(cfg):
+        if str(depth) not in exits:
+            raise KeyError(f"no exit adapter at depth {depth}; trained exits: {sorted(map(int, exits))}")
+        x_raw = apply_exit(exits[str(depth)], x_raw)
+    return models.final_norm(params, x_raw, cfg)

@@ -75,6 +75,8 @@ class Backbone:
         self.vision = vision  # lev_jax.vision.Vision of a vision-language checkpoint, else None
         # the Mode B scorer head (readout.modeb) of a run or release trained with one, else None
         self.mode_b_head = None
+        # exit adapters {str(depth): adapter} (readout.exits) of a run or release trained with them
+        self.exits = None
 
     @property
     def dtype(self) -> str:

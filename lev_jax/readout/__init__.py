@@ -53,6 +53,7 @@ __all__ = [
     "prefixed_label_logits",
     "question_probs",
     "readout_probs",
+    "rows_exit_logits",
     "rows_label_logits",
     "run",
 ]

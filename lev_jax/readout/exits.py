@@ -17,10 +17,34 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lev_jax import models
 
 NORM_EPS = 1e-6
+EXITS_KEY = "exits"  # where a training state's trainable tree holds the exit adapters, beside the adapter
+DEFAULT = "default"  # the spec of L/4, L/2, 3L/4 (and L)
+
+
+def parse_spec(spec: str) -> str:
+    """A validated exits spec: "" (none), "default", or comma-separated layer counts ("4,8,12");
+    ValueError otherwise (the model's depth is checked when it is known, `depths_of`)."""
+    spec = spec.strip()
+    if spec in ("", DEFAULT):
+        return spec
+    parts = [x.strip() for x in spec.split(",") if x.strip()]
+    if not parts or not all(x.isdigit() for x in parts):
+        raise ValueError(f"exits must be '', {DEFAULT!r} or comma-separated layer counts, not {spec!r}")
+    return ",".join(parts)
+
+
+def depths_of(spec: str, cfg) -> tuple[int, ...]:
+    """The exit depths below the model's depth L that `spec` names (L itself needs no adapter)."""
+    spec = parse_spec(spec)
+    if not spec:
+        return ()
+    depths = default_depths(cfg) if spec == DEFAULT else check_depths(cfg, [int(x) for x in spec.split(",")])
+    return tuple(d for d in depths if d < models.num_layers(cfg))
 
 
 def init_exits(cfg, depths, rank: int = 8, seed: int = 0, dtype: str = "float32") -> dict:
@@ -71,3 +95,31 @@ def exit_hidden(params, exits, x_raw, depth: int, cfg):
             raise KeyError(f"no exit adapter at depth {depth}; trained exits: {sorted(map(int, exits))}")
         x_raw = apply_exit(exits[str(depth)], x_raw)
     return models.final_norm(params, x_raw, cfg)
+
+
+def exits_tensors(exits: dict, prefix: str = "exits.") -> dict[str, np.ndarray]:
+    """The adapters as named fp32 arrays (safetensors): "exits.{d}.{scale,a,b}"."""
+    return {f"{prefix}{d}.{k}": np.array(v, np.float32) for d, a in exits.items() for k, v in a.items()}
+
+
+def exits_from_tensors(tensors: dict, cfg, prefix: str = "exits.") -> dict:
+    """The adapters back from `exits_tensors`' names; ValueError naming what is missing, mis-shaped
+    or deeper than the model."""
+    E, L = int(cfg.hidden_size), models.num_layers(cfg)
+    depths = sorted({int(k[len(prefix) :].split(".")[0]) for k in tensors if k.startswith(prefix)})
+    if not depths:
+        raise ValueError("no exit adapters in these tensors")
+    out = {}
+    for d in depths:
+        if not 1 <= d < L:
+            raise ValueError(f"an exit adapter at depth {d}: the model's exits are at 1..{L - 1}")
+        need = [f"{prefix}{d}.{k}" for k in ("scale", "a", "b")]
+        missing = [n for n in need if n not in tensors]
+        if missing:
+            raise ValueError(f"the exit adapters lack {', '.join(missing)}")
+        a = {k: jnp.asarray(np.asarray(tensors[n], np.float32)) for k, n in zip(("scale", "a", "b"), need)}
+        r = a["a"].shape[-1]
+        if a["scale"].shape != (E,) or a["a"].shape != (E, r) or a["b"].shape != (r, E):
+            raise ValueError(f"the exit adapter at depth {d} does not fit hidden size {E}")
+        out[str(d)] = a
+    return out

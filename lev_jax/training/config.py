@@ -65,6 +65,11 @@ class TrainConfig:
     # False: only the heads learn, the adapter stays as restored (a Mode B stage that costs a forward
     # per step, not a backward through the backbone: a head for a Mode A run where compute is scarce)
     train_adapter: bool = True
+    # elastic depth: exit adapters ("default" = L/4, L/2, 3L/4, or "4,8,12"; readout.exits), trained
+    # in a stage over a restored run with the adapter frozen (train_adapter=false), so the full-depth
+    # answer the run serves stays bit-identical while its exits learn to match it
+    exits: str = ""
+    exit_rank: int = 8
     # -- optimisation ----------------------------------------------------------------------------
     steps: int = 1000
     batch_size: int = 16  # examples per step (all of their rows train together)
@@ -137,10 +142,17 @@ class TrainConfig:
                 self.mode_b_min_options >= domain.CHOICE_OPTIONS[0],
                 f"mode_b_min_options must be >= {domain.CHOICE_OPTIONS[0]}",
             ),
+            (_exits_ok(self.exits), "exits must be '', 'default' or comma-separated layer counts"),
+            (self.exit_rank >= 1, "exit_rank must be >= 1"),
             (
-                self.train_adapter or self.mode_b,
-                "train_adapter=false trains only the Mode B head: it needs --mode-b",
+                self.train_adapter or self.mode_b or bool(self.exits),
+                "train_adapter=false trains only the Mode B head or the exits: it needs --mode-b or --set exits=",
             ),
+            (
+                not self.exits or not self.train_adapter,
+                "exits train in a stage over a restored run with the adapter frozen: add --set train_adapter=false",
+            ),
+            (not (self.exits and self.mode_b), "exits read Mode A rows: a run trains them without --mode-b"),
             (self.rows_per_call >= 0, "rows_per_call must be >= 0 (0 = all of a group's rows at once)"),
             (self.steps >= 1, "steps must be >= 1"),
             (self.batch_size >= 1, "batch_size must be >= 1"),
@@ -182,6 +194,16 @@ class TrainConfig:
         if unknown:
             raise ConfigError(f"unknown config key(s) {', '.join(unknown)}")
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}).validate()
+
+
+def _exits_ok(spec: str) -> bool:
+    from lev_jax.readout import exits
+
+    try:
+        exits.parse_spec(spec)
+    except ValueError:
+        return False
+    return True
 
 
 _QWEN = dict(

@@ -27,11 +27,22 @@ import numpy as np
 import optax
 
 from lev_jax import models, readout
+from lev_jax.readout import exits as exits_lib
 from lev_jax.readout import modeb
 from lev_jax.training import batches, checkpoint, lora
 from lev_jax.training import loss as loss_lib
 from lev_jax.training import mesh as mesh_lib
 from lev_jax.training.config import TrainConfig
+
+# trainable groups beside the adapter (fp32, replicated, their own optimiser moments): the Mode B
+# head and the exit adapters; a stage may add one to a restored run
+EXTRAS = (modeb.HEAD_KEY, exits_lib.EXITS_KEY)
+
+
+def parts(trainable: dict) -> tuple[dict, dict | None, dict | None]:
+    """(adapter, Mode B head or None, exit adapters or None) of a trainable tree."""
+    adapter = {k: v for k, v in trainable.items() if k not in EXTRAS}
+    return adapter, trainable.get(modeb.HEAD_KEY), trainable.get(exits_lib.EXITS_KEY)
 
 
 class TrainingError(RuntimeError):
@@ -92,6 +103,14 @@ class Trainer:
         self.base = jax.device_put(backbone.params, self.base_sh)
         self.frozen = {} if cfg.full_finetune else self.base
         self.frozen_sh = {} if cfg.full_finetune else self.base_sh
+        try:
+            self.exit_depths = exits_lib.depths_of(cfg.exits, backbone.config)
+        except ValueError as e:
+            raise TrainingError(str(e)) from None
+        if cfg.exits and not self.exit_depths:
+            raise TrainingError(
+                f"exits={cfg.exits!r} names no layer below the model's {backbone.config.num_hidden_layers}"
+            )
         self._step_fn = None
 
     # -- state -------------------------------------------------------------------------------------
@@ -109,6 +128,13 @@ class Trainer:
             k_head, key = jax.random.split(key)
             seed = int(jax.random.randint(k_head, (), 0, 2**31 - 1))
             trainable = {**trainable, modeb.HEAD_KEY: modeb.init_head(self.model_cfg.hidden_size, seed=seed)}
+        if self.exit_depths:
+            k_exits, key = jax.random.split(key)
+            seed = int(jax.random.randint(k_exits, (), 0, 2**31 - 1))
+            trainable = {
+                **trainable,
+                exits_lib.EXITS_KEY: exits_lib.init_exits(self.model_cfg, self.exit_depths, cfg.exit_rank, seed),
+            }
         state = {
             "trainable": trainable,
             "opt_state": self.optimizer.init(trainable),
@@ -118,12 +144,13 @@ class Trainer:
 
     def state_shardings(self, state) -> dict:
         m = self.mesh
-        adapter, head = modeb.split(state["trainable"])
+        adapter = parts(state["trainable"])[0]
         t_sh = (
             mesh_lib.param_shardings(adapter, m) if self.cfg.full_finetune else mesh_lib.adapter_shardings(adapter, m)
         )
-        if head is not None:  # small: every device holds it
-            t_sh = {**t_sh, modeb.HEAD_KEY: jax.tree.map(lambda _: mesh_lib.replicated(m), head)}
+        for k in EXTRAS:  # small: every device holds them
+            if k in state["trainable"]:
+                t_sh = {**t_sh, k: jax.tree.map(lambda _: mesh_lib.replicated(m), state["trainable"][k])}
         return {
             "trainable": t_sh,
             "opt_state": mesh_lib.like(state["opt_state"], state["trainable"], t_sh, m),
@@ -133,15 +160,16 @@ class Trainer:
     # -- the step ----------------------------------------------------------------------------------
     def params(self, trainable, frozen):
         """The compute-dtype parameters the model runs with (differentiable in `trainable`)."""
-        adapter, _ = modeb.split(trainable)
+        adapter = parts(trainable)[0]
         if self.cfg.full_finetune:
             return models.cast_params(adapter, self.model_cfg, models.params_dtype(self.base))
         return lora.apply(frozen, adapter, self.cfg.lora_scale)
 
     def logits(self, trainable, frozen, batch):
         """[E*R, C] scores of a packed batch (groups of rows over computed prefixes): label logits,
-        and the Mode B head's scores for marked rows."""
-        head = modeb.split(trainable)[1]
+        and the Mode B head's scores for marked rows. With exits: {depth: [E*R, C]} label logits at
+        each exit (the rows run to the deepest exit only)."""
+        _, head, exits = parts(trainable)
         return group_scores(
             self.params(trainable, frozen),
             head,
@@ -149,16 +177,27 @@ class Trainer:
             self.model_cfg,
             remat=self.cfg.remat,
             rows_per_call=self.cfg.rows_per_call,
+            exits=exits,
+            exit_depths=self.exit_depths,
         )
 
     def loss(self, trainable, frozen, batch, key=None):
-        """(scalar, stats) of the configured loss; `key` draws RLCD's noise (unused by "plain")."""
+        """(scalar, stats) of the configured loss; `key` draws RLCD's noise (unused by "plain"). With
+        exits, the mean over exits of the loss at each (stats averaged likewise)."""
         logits, rows = self.logits(trainable, frozen, batch), batches.flat_rows(batch)
-        if self.cfg.loss == "rlcd":
-            if key is None:
-                raise ValueError("the rlcd loss draws noise: pass a PRNG key")
-            return loss_lib.rlcd(logits, rows, key, **self.cfg.loss_options)
-        return loss_lib.loss(logits, rows, **self.cfg.loss_options)
+        if self.cfg.loss == "rlcd" and key is None:
+            raise ValueError("the rlcd loss draws noise: pass a PRNG key")
+
+        def one(lg, k):
+            if self.cfg.loss == "rlcd":
+                return loss_lib.rlcd(lg, rows, k, **self.cfg.loss_options)
+            return loss_lib.loss(lg, rows, **self.cfg.loss_options)
+
+        if not isinstance(logits, dict):
+            return one(logits, key)
+        keys = [None] * len(logits) if key is None else list(jax.random.split(key, len(logits)))
+        outs = [one(logits[d], k) for d, k in zip(sorted(logits), keys)]
+        return jax.tree.map(lambda *xs: sum(xs) / len(xs), *outs)
 
     def _step(self, state, frozen, batch):
         # the state's key advances every step (one split); the step's noise is the split's other half,
@@ -168,17 +207,21 @@ class Trainer:
             (value, stats), grads = jax.value_and_grad(self.loss, has_aux=True)(
                 state["trainable"], frozen, batch, noise_key
             )
-        else:  # the head alone: no gradient flows into the backbone, whose forward is all the step runs
-            adapter, head = modeb.split(state["trainable"])
+        else:  # the head / exits alone: no gradient flows into the backbone, whose forward is all the step runs
+            adapter = parts(state["trainable"])[0]
+            extras = {k: v for k, v in state["trainable"].items() if k in EXTRAS}
 
-            def head_loss(h):
-                return self.loss({**adapter, modeb.HEAD_KEY: h}, frozen, batch, noise_key)
+            def extras_loss(x):
+                return self.loss({**adapter, **x}, frozen, batch, noise_key)
 
-            (value, stats), g_head = jax.value_and_grad(head_loss, has_aux=True)(head)
-            grads = {**jax.tree.map(jnp.zeros_like, adapter), modeb.HEAD_KEY: g_head}
+            (value, stats), g_extras = jax.value_and_grad(extras_loss, has_aux=True)(extras)
+            grads = {**jax.tree.map(jnp.zeros_like, adapter), **g_extras}
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["trainable"])
         if not self.cfg.train_adapter:  # weight decay must not move the frozen adapter either
-            updates = {**jax.tree.map(jnp.zeros_like, modeb.split(updates)[0]), modeb.HEAD_KEY: updates[modeb.HEAD_KEY]}
+            updates = {
+                **jax.tree.map(jnp.zeros_like, parts(updates)[0]),
+                **{k: v for k, v in updates.items() if k in EXTRAS},
+            }
         trainable = optax.apply_updates(state["trainable"], updates)
         step = state["train"]["step"]
         rng = jax.random.key_data(next_key)
@@ -211,7 +254,7 @@ class Trainer:
         return out
 
 
-def group_scores(params, head, batch, cfg, *, remat: str = "none", rows_per_call: int = 0):
+def group_scores(params, head, batch, cfg, *, remat: str = "none", rows_per_call: int = 0, exits=None, exit_depths=()):
     """[E*R, C] fp32 scores: the E group prefixes computed in one forward (gradients flow through
     them), then each group's R rows continuing its prefix as a 1-row shared cache
     (`readout.rows_scores`, the serving readout, vmapped over groups: label logits, or with a Mode
@@ -219,8 +262,11 @@ def group_scores(params, head, batch, cfg, *, remat: str = "none", rows_per_call
     memory and work do not grow with copies of it per row, as with a per-row gathered cache.
     `rows_per_call` > 0 reads a group's rows that many at a time, one after another (`lax.map`):
     the same scores, but a CPU keeps a few long rows' activations in its caches where all of them
-    at once run several times slower per token (docs/training.md)."""
+    at once run several times slower per token (docs/training.md).
+    With `exits` (readout.exits adapters) and `exit_depths`: {depth: [E*R, C]} label logits at each
+    exit (`readout.rows_exit_logits`); prefixes and rows run to the deepest exit only."""
     E, R = batch["answer_ER"].shape
+    deepest = max(exit_depths) if exits is not None else None
     _, cache = models.forward(
         params,
         batch["prefix_EP"],
@@ -229,11 +275,16 @@ def group_scores(params, head, batch, cfg, *, remat: str = "none", rows_per_call
         valid_BT=batch["prefix_valid_EP"],
         readout_BR=jnp.zeros((E, 1), jnp.int32),
         remat=remat,
+        layer_range=None if deepest is None else (0, deepest),
     )
     mapped = jax.tree.map(lambda x: x.ndim > 0, cache)
 
     def rows(cache_1, tokens_RT, valid_RT, answer_R, ids_RC, markers_RC, marked_R):
         cache_1 = jax.tree.map(lambda x, m: x[None] if m else x, cache_1, mapped)
+        if exits is not None:
+            return readout.rows_exit_logits(
+                params, exits, cache_1, None, tokens_RT, valid_RT, answer_R, ids_RC, cfg, exit_depths, remat=remat
+            )[0]
         return readout.rows_scores(
             params, head, cache_1, None, tokens_RT, valid_RT, answer_R, ids_RC, markers_RC, marked_R, cfg, remat=remat
         )
@@ -247,12 +298,12 @@ def group_scores(params, head, batch, cfg, *, remat: str = "none", rows_per_call
             padded = [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in per_row]
             chunks = [x.reshape(-1, k, *x.shape[1:]) for x in padded]
             out = jax.lax.map(lambda xs: whole(cache_1, *xs), tuple(chunks))
-            return out.reshape(-1, *out.shape[2:])[:R]
+            return jax.tree.map(lambda o: o.reshape(-1, *o.shape[2:])[:R], out)
 
     in_axes = (jax.tree.map(lambda m: 0 if m else None, mapped), 0, 0, 0, 0, 0, 0)
     names = ("tokens_ERT", "valid_ERT", "answer_ER", "label_ids_ERC", "markers_ERC", "marked_ER")
     logits_ERC = jax.vmap(rows, in_axes=in_axes)(cache, *(batch[k] for k in names))
-    return logits_ERC.reshape(E * R, -1)
+    return jax.tree.map(lambda x: x.reshape(E * R, -1), logits_ERC)
 
 
 # -- operator output ---------------------------------------------------------------------------------
@@ -413,14 +464,24 @@ def train(
     targets = {k: checkpoint.abstract(state[k], sh) for k, sh in trainer.state_shardings(state).items()}
     source = ckpts if resume is None else checkpoint.Checkpoints(_run_of(resume), read_only=True, warn=warn)
     wanted = _step_of(resume)
-    add_head = False
+    fresh: dict = {}  # trainable groups a stage adds to the restored state (started fresh)
     for s in [wanted] if wanted is not None else source.steps()[::-1]:
         try:  # refuse another base model before restoring anything (an unreadable one: restore says)
             meta = source.read_meta(s)
         except Exception:  # noqa: BLE001
             continue
+        was = meta.get("config", {})
         # a Mode B stage: a checkpoint trained without a head, continued with one (--mode-b)
-        add_head = cfg.mode_b and not meta.get("config", {}).get("mode_b", False)
+        if cfg.mode_b and not was.get("mode_b", False):
+            fresh[modeb.HEAD_KEY] = state["trainable"][modeb.HEAD_KEY]
+        # an exits stage: a checkpoint trained without exits, continued with them
+        if cfg.exits and not was.get("exits", ""):
+            fresh[exits_lib.EXITS_KEY] = state["trainable"][exits_lib.EXITS_KEY]
+        elif was.get("exits", "") != cfg.exits and "exits" in was and was.get("exits"):
+            raise TrainingError(
+                f"checkpoint {source.path(s)} trained exits {was['exits']!r}; this run asks {cfg.exits!r} "
+                "(start the new exits from a checkpoint without exits, or another --out)"
+            )
         if not same_base(meta.get("base", {}), base):
             raise TrainingError(
                 f"checkpoint {source.path(s)} belongs to base model "
@@ -428,9 +489,9 @@ def train(
                 f"not {cfg.model!r} ({backbone.name}); use --fresh or another --out"
             )
         break
-    if add_head:  # restore the head-less state it was saved as; the fresh head joins it below
-        adapter, head = modeb.split(state["trainable"])
-        bare = {"trainable": adapter, "opt_state": trainer.optimizer.init(adapter), "train": state["train"]}
+    if fresh:  # restore the state as it was saved; the fresh groups join it below
+        saved = {k: v for k, v in state["trainable"].items() if k not in fresh}
+        bare = {"trainable": saved, "opt_state": trainer.optimizer.init(saved), "train": state["train"]}
         targets = {k: checkpoint.abstract(bare[k], sh) for k, sh in trainer.state_shardings(bare).items()}
     try:
         restored = source.restore(**targets, iterator=it, step=wanted)
@@ -445,10 +506,10 @@ def train(
     tokens_before, elapsed_before = 0, 0.0
     if restored is not None:
         start, trainable, opt_state, train_state, meta = restored
-        if add_head:
-            # the head starts fresh, and so does the optimiser (warmup, then the cosine of --steps): a
-            # new parameter group at the end of a decayed schedule would barely move
-            trainable = {**trainable, modeb.HEAD_KEY: head}
+        if fresh:
+            # a new group starts fresh, and so does the optimiser (warmup, then the cosine of --steps):
+            # a new parameter group at the end of a decayed schedule would barely move
+            trainable = {**trainable, **fresh}
             opt_state = trainer.optimizer.init(trainable)
         state = {"trainable": trainable, "opt_state": opt_state, "train": train_state}
         state = jax.device_put(state, trainer.state_shardings(state))
@@ -459,9 +520,12 @@ def train(
         if was != cfg.loss:  # a stage: e.g. the plain loss's checkpoint continued with rlcd
             out(f"stage: loss {was} -> {cfg.loss} from step {start}")
             history.append({"event": "stage", "step": start, "loss": cfg.loss, "from": was})
-        if add_head:
+        if modeb.HEAD_KEY in fresh:
             out(f"stage: a fresh Mode B head and optimiser from step {start}")
             history.append({"event": "stage", "step": start, "mode_b": True})
+        if exits_lib.EXITS_KEY in fresh:
+            out(f"stage: fresh exit adapters at depths {list(trainer.exit_depths)} and optimiser from step {start}")
+            history.append({"event": "stage", "step": start, "exits": list(trainer.exit_depths)})
     start = int(jax.device_get(state["train"]["step"]))
     if start >= cfg.steps:
         out(f"nothing to do: the run is at step {start} of {cfg.steps} (pass a larger --steps to continue)")
@@ -472,11 +536,16 @@ def train(
     window = Window(t_start)
     tokens = tokens_before
     step = start
+    extras_name = " and ".join(
+        n
+        for k, n in ((modeb.HEAD_KEY, "the Mode B head"), (exits_lib.EXITS_KEY, "the exit adapters"))
+        if k in state["trainable"]
+    ) + (" learns" if exits_lib.EXITS_KEY not in state["trainable"] else " learn")
     out(
         f"training {cfg.preset}: steps {start}..{cfg.steps}, {cfg.batch_size} examples/step, "
         f"{'full fine-tune' if cfg.full_finetune else f'LoRA r{cfg.lora_rank}'} "
         f"({lora.n_params(state['trainable']):,} trainable parameters"
-        f"{'' if cfg.train_adapter else '; adapter frozen: only the Mode B head learns'}), {cfg.dtype}, "
+        f"{'' if cfg.train_adapter else f'; adapter frozen: only {extras_name}'}), {cfg.dtype}, "
         f"mesh {dict(mesh.shape)}, "
         f"{len(jax.devices())} {jax.devices()[0].platform} device(s)"
     )

@@ -35,11 +35,13 @@ import safetensors.numpy
 from lev_jax.calibrate import CALIBRATION_FILE
 from lev_jax.errors import CheckpointError
 from lev_jax.loaders import peft
+from lev_jax.readout import exits as exits_lib
 from lev_jax.readout import modeb
 from lev_jax.training.config import EMBEDDED
 
 MANIFEST = "lev_release.json"
 HEAD_FILE = "mode_b_head.safetensors"
+EXITS_FILE = "exits.safetensors"
 CARD = "README.md"
 EVAL_DIR = "eval"
 FORMAT = 1
@@ -180,13 +182,17 @@ def make(run_dir, out_dir, *, step: int | None = None, eval_dir=None) -> Path:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        lora_tree, head = modeb.split(trainable)
+        from lev_jax.training.loop import parts
+
+        lora_tree, head, exits = parts(trainable)
         adapter = {p: {"a": np.asarray(ab["a"]), "b": np.asarray(ab["b"])} for p, ab in lora_tree.items()}
         peft.export(
             tmp, adapter, rank=cfg.lora_rank, alpha=cfg.lora_alpha, hf_config=base.hf_config, base_model=str(cfg.model)
         )
         if head is not None:
             safetensors.numpy.save_file(modeb.head_tensors(head), str(tmp / HEAD_FILE))
+        if exits is not None:
+            safetensors.numpy.save_file(exits_lib.exits_tensors(exits), str(tmp / EXITS_FILE))
         calibrated = False
         cal_src = run_dir / CALIBRATION_FILE
         if cal_src.is_file() and json.loads(cal_src.read_text(encoding="utf-8")).get("model_id") == name:
@@ -229,6 +235,7 @@ def make(run_dir, out_dir, *, step: int | None = None, eval_dir=None) -> Path:
             },
             "engine": {k: getattr(cfg, k) for k in run.ENGINE_KEYS},
             "mode_b": None if head is None else {"head": HEAD_FILE, "min_options": cfg.mode_b_min_options},
+            "exits": None if exits is None else {"adapters": EXITS_FILE, "depths": sorted(map(int, exits))},
             "calibration": CALIBRATION_FILE if calibrated else None,
             "metrics": tasks,
             "files": files,
@@ -297,6 +304,13 @@ def load_release(release_dir, dtype: str = "float32"):
             )
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{release_dir}: the Mode B head cannot be read ({e})") from None
+    if manifest.get("exits"):
+        try:
+            bb.exits = exits_lib.exits_from_tensors(
+                safetensors.numpy.load_file(release_dir / manifest["exits"]["adapters"]), base.config
+            )
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{release_dir}: the exit adapters cannot be read ({e})") from None
     cal = None
     if manifest.get("calibration"):
         cal = Calibration.load(release_dir / manifest["calibration"], model_id=manifest["name"])

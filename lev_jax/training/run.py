@@ -103,10 +103,10 @@ def merged(cfg: TrainConfig, base, trainable, step: int, dtype: str):
 
     from lev_jax import models
     from lev_jax.backbone import Backbone
-    from lev_jax.readout import modeb
     from lev_jax.training import lora
+    from lev_jax.training.loop import parts
 
-    adapter, head = modeb.split(trainable)
+    adapter, head, exits = parts(trainable)
     if cfg.full_finetune:
         params = adapter
     else:
@@ -123,6 +123,8 @@ def merged(cfg: TrainConfig, base, trainable, step: int, dtype: str):
     )
     if head is not None:  # the head stays fp32 whatever the compute dtype
         bb.mode_b_head = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), head)
+    if exits is not None:  # so do the exit adapters
+        bb.exits = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), exits)
     return bb
 
 

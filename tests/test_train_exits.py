@@ -1,0 +1,90 @@
+"""`python -m train --preset tiny --set exits=...`: an exits stage over a restored run (issue 14). The exit
+adapters learn with the adapter frozen (bit-identical), the stage resumes exactly, and a release
+carries the adapters back into a Backbone whose exits read what the trained tree reads."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from tests.test_train_run import FAST, REPO, _env, _progress, _restore, _same_checkpoint, train
+
+CHOICES = ["--set", "readouts=choice"]  # every batch a choice: every step has rows to read
+
+
+@pytest.fixture(scope="module")
+def stage(tmp_path_factory):
+    root = tmp_path_factory.mktemp("exits")
+    plain = root / "plain"
+    train(plain, "--steps", "2", "--checkpoint-every", "2", *CHOICES, *FAST)
+    run = root / "stage"
+    args = ["--resume", str(plain / "checkpoints" / "2"), "--set", "exits=default", "--set", "train_adapter=false"]
+    p = train(run, *args, *CHOICES, "--steps", "5", "--checkpoint-every", "1", "--set", "lr=3e-2", *FAST)
+    return root, plain, run, p.stdout
+
+
+def test_an_exits_stage_trains_the_exits_and_leaves_the_adapter_untouched(stage):
+    root, plain, run, stdout = stage
+    assert "stage: fresh exit adapters at depths [1, 2, 3]" in stdout
+    assert "adapter frozen: only the exit adapters learn" in stdout and "step 5/5" in stdout
+    assert {"event": "stage", "step": 2, "exits": [1, 2, 3]} in json.loads((run / "history.json").read_text())["events"]
+    before = jax.tree_util.tree_flatten_with_path(_restore(plain / "checkpoints" / "2", "trainable"))[0]
+    exits = []
+    for step in (4, 5):  # (the stage's first step runs at the warmup's lr 0)
+        after = dict(_restore(run / "checkpoints" / str(step), "trainable"))
+        exits.append(after.pop("exits"))
+        flat = jax.tree_util.tree_flatten_with_path(after)[0]
+        assert [p for p, _ in flat] == [p for p, _ in before]
+        for (path, x), (_, y) in zip(before, flat):
+            assert np.array_equal(np.asarray(x), np.asarray(y)), f"adapter {jax.tree_util.keystr(path)} moved"
+    assert sorted(exits[0]) == ["1", "2", "3"]
+    for d in ("1", "2", "3"):  # every exit's map moved off the logit lens (b starts at zero) and on
+        assert np.abs(np.asarray(exits[0][d]["b"])).max() > 0
+        assert not np.array_equal(np.asarray(exits[0][d]["b"]), np.asarray(exits[1][d]["b"]))
+    losses = [e["loss"] for e in _progress(run)]
+    assert len(losses) == 3 and all(np.isfinite(losses))
+
+
+def test_the_exits_stage_resumes_exactly(stage, tmp_path):
+    root, plain, run, _ = stage
+    again = tmp_path / "again"
+    more = ["--set", "exits=default", "--set", "train_adapter=false", "--set", "lr=3e-2", *CHOICES]
+    more += ["--steps", "5", "--checkpoint-every", "1", *FAST]
+    q = train(again, "--resume", str(run / "checkpoints" / "3"), *more)
+    assert "at step 3" in q.stdout and "stage:" not in q.stdout
+    _same_checkpoint(run / "checkpoints" / "5", again / "checkpoints" / "5")
+
+
+def test_a_release_carries_the_exits(stage):
+    root, plain, run, _ = stage
+    out = root / "release"
+    p = subprocess.run(
+        [sys.executable, "-m", "train", "release", "--run", str(run), "--out", str(out)],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    manifest = json.loads((out / "lev_release.json").read_text())
+    assert manifest["exits"]["depths"] == [1, 2, 3] and (out / manifest["exits"]["adapters"]).is_file()
+    from lev_jax.training import release
+
+    bb, _, _ = release.load_release(out)
+    trained = _restore(run / "checkpoints" / "5", "trainable")["exits"]
+    for d in ("1", "2", "3"):
+        for k in ("scale", "a", "b"):
+            np.testing.assert_array_equal(np.asarray(bb.exits[d][k]), np.asarray(trained[d][k], np.float32))
+
+
+def test_exits_are_refused_in_one_line_where_they_cannot_train(tmp_path):
+    q = train(tmp_path / "joint", "--set", "exits=default", check=False)
+    assert q.returncode == 2 and "add --set train_adapter=false" in q.stderr
+    q = train(tmp_path / "bad", "--set", "exits=half", "--set", "train_adapter=false", check=False)
+    assert q.returncode == 2 and "exits must be" in q.stderr
+    q = train(tmp_path / "deep", "--set", "exits=9", "--set", "train_adapter=false", check=False)
+    assert q.returncode == 2 and "exit depths must be layer counts in [1, 4]" in q.stderr

@@ -90,13 +90,6 @@ def head_scores(head: dict, hidden_BRE) -> jax.Array:
     return jnp.matmul(h, head["w2"], precision=HIGHEST) + head["b2"]
 
 
-def split(trainable: dict) -> tuple[dict, dict | None]:
-    """(the LoRA adapter or full parameters, the Mode B head or None) of a trainable tree."""
-    if HEAD_KEY not in trainable:
-        return trainable, None
-    return {k: v for k, v in trainable.items() if k != HEAD_KEY}, trainable[HEAD_KEY]
-
-
 def head_tensors(head: dict, prefix: str = "mode_b_head.") -> dict[str, np.ndarray]:
     """The head as named fp32 arrays (safetensors)."""
     return {prefix + k: np.array(v, np.float32) for k, v in head.items()}  # (ascontiguousarray makes b2 1-d)

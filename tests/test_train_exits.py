@@ -81,10 +81,19 @@ def test_a_release_carries_the_exits(stage):
             np.testing.assert_array_equal(np.asarray(bb.exits[d][k]), np.asarray(trained[d][k], np.float32))
 
 
-def test_exits_are_refused_in_one_line_where_they_cannot_train(tmp_path):
-    q = train(tmp_path / "joint", "--set", "exits=default", check=False)
-    assert q.returncode == 2 and "add --set train_adapter=false" in q.stderr
-    q = train(tmp_path / "bad", "--set", "exits=half", "--set", "train_adapter=false", check=False)
-    assert q.returncode == 2 and "exits must be" in q.stderr
-    q = train(tmp_path / "deep", "--set", "exits=9", "--set", "train_adapter=false", check=False)
-    assert q.returncode == 2 and "exit depths must be layer counts in [1, 4]" in q.stderr
+def test_exits_are_refused_where_they_cannot_train():
+    """Refused before any work, with the line the CLI prints (ConfigError / TrainingError: exit 2)."""
+    from lev_jax import models, testing
+    from lev_jax.readout import exits as exits_lib
+    from lev_jax.training import config
+
+    with pytest.raises(config.ConfigError, match="add --set train_adapter=false"):
+        config.resolve("tiny", {"exits": "default"})
+    with pytest.raises(config.ConfigError, match="exits must be"):
+        config.resolve("tiny", {"exits": "half", "train_adapter": False})
+    with pytest.raises(config.ConfigError, match="without --mode-b"):
+        config.resolve("tiny", {"exits": "default", "train_adapter": False, "mode_b": True})
+    cfg = models.config_from_hf({**testing.TINY_QWEN3_5, "vocab_size": 512})
+    with pytest.raises(ValueError, match=r"exit depths must be layer counts in \[1, 4\]"):
+        exits_lib.depths_of("9", cfg)
+    assert exits_lib.depths_of("default", cfg) == (1, 2, 3) and exits_lib.depths_of("2,4", cfg) == (2,)

@@ -94,9 +94,10 @@ class CausalLM(nnx.Module):
         `layer_range` (start, stop): run only layers [start, stop) (elastic depth: an exit after layer
         `stop` computes and caches nothing deeper). With start > 0 the input is `hidden_BTE`, the
         residual stream after layer `start` (saved by a shallower call), instead of the token
-        embeddings; the cache then holds layers [0, start) already (or is None: the call computes the
-        cache of layers [start, stop) alone, `elastic.stack_layers` puts the two together). An APPEND
-        or SEGMENT cache comes back with layers [0, stop). `final_norm=False` returns the raw
+        embeddings; a cache it continues holds at least layers [0, stop) (a prefix computed that
+        deep), or it is None and the call computes the cache of layers [start, stop) alone
+        (`elastic.cascade.deepen` stacks it on the shallower one). An APPEND or SEGMENT cache comes
+        back with layers [0, stop). `final_norm=False` returns the raw
         residual stream (what a deeper call continues, and what an exit adapter reads)."""
         if not isinstance(cache_write, CacheWrite):
             raise ValueError(

@@ -239,6 +239,21 @@ def test_exact_resume_after_kill_9(tmp_path):
     assert any(d.name.startswith("8-") for d in (straight / "corrupt").iterdir())
 
 
+def adapter_unchanged(before_ckpt: Path, after_ckpt: Path, extra: str):
+    """Assert a stage's checkpoint holds the restored adapter bit for bit beside its `extra` group
+    (the Mode B head, the exits), and return that group."""
+    import jax
+
+    before = jax.tree_util.tree_flatten_with_path(_restore(before_ckpt, "trainable"))[0]
+    after = dict(_restore(after_ckpt, "trainable"))
+    group = after.pop(extra)
+    flat = jax.tree_util.tree_flatten_with_path(after)[0]
+    assert [p for p, _ in flat] == [p for p, _ in before]
+    for (path, x), (_, y) in zip(before, flat):
+        assert np.array_equal(np.asarray(x), np.asarray(y)), f"adapter {jax.tree_util.keystr(path)} moved"
+    return group
+
+
 def test_mode_b_stage_adds_a_head_to_a_plain_run_and_then_resumes_exactly(tmp_path):
     """`--mode-b --resume RUN/checkpoints/N`: a plain run's adapter (and data position) continued
     with a fresh head; the stage's own checkpoints then resume bit-identically."""
@@ -276,17 +291,11 @@ def test_head_only_mode_b_stage_leaves_the_adapter_untouched(tmp_path):
     # the fresh optimiser's schedule restarted at the stage: the progress line shows the rate it applies
     _, schedule = loop.make_optimizer(config.resolve("tiny", {"steps": 4}))
     assert [e["lr"] for e in progress] == pytest.approx([float(schedule(k)) for k in range(len(progress))])
-    import jax
 
-    before = jax.tree_util.tree_flatten_with_path(_restore(plain / "checkpoints" / "2", "trainable"))[0]
-    heads = []
-    for step in (3, 4):
-        after = dict(_restore(stage / "checkpoints" / str(step), "trainable"))
-        heads.append(after.pop("mode_b_head"))
-        flat = jax.tree_util.tree_flatten_with_path(after)[0]
-        assert [p for p, _ in flat] == [p for p, _ in before]
-        for (path, x), (_, y) in zip(before, flat):
-            assert np.array_equal(np.asarray(x), np.asarray(y)), f"adapter {jax.tree_util.keystr(path)} moved"
+    heads = [
+        adapter_unchanged(plain / "checkpoints" / "2", stage / "checkpoints" / str(step), "mode_b_head")
+        for step in (3, 4)
+    ]
     assert not np.array_equal(np.asarray(heads[0]["w1"]), np.asarray(heads[1]["w1"]))
     # a head-only stage needs the head: refused in one line before any work
     q = train(tmp_path / "bad", "--set", "train_adapter=false", check=False)

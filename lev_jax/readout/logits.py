@@ -67,9 +67,13 @@ def pack_prefixes(prefixes: Sequence[Sequence[int]], n: int, length: int) -> tup
     return tokens, valid
 
 
-def rows_hidden(params, cache, prefix_B, tokens_BT, valid_BT, readout_BR, cfg, anchored, remat):
+def rows_hidden(
+    params, cache, prefix_B, tokens_BT, valid_BT, readout_BR, cfg, anchored, remat, *, layers=None, hidden_BTE=None
+):
     """[B, R, E] final-normed hidden states at `readout_BR` of B rows continuing `cache` (one shared
-    prefix, or row b reading prefix `prefix_B[b]` of a stacked cache in place); nothing is written."""
+    prefix, or row b reading prefix `prefix_B[b]` of a stacked cache in place); nothing is written.
+    `layers` (start, stop): only that slice of the layers, continuing `hidden_BTE` when start > 0,
+    returning the raw residual stream at every row token (readout_BR None; elastic depth)."""
     if prefix_B is not None:
         cache = cache_lib.index_rows(cache, prefix_B)
     hidden_BRE, _ = models.forward(
@@ -82,6 +86,9 @@ def rows_hidden(params, cache, prefix_B, tokens_BT, valid_BT, readout_BR, cfg, a
         cache_write=models.CacheWrite.NONE,
         anchored_softmax=anchored,
         remat=remat,
+        hidden_BTE=hidden_BTE,
+        layer_range=layers,
+        final_norm=layers is None,
     )
     return hidden_BRE
 
@@ -135,17 +142,8 @@ def rows_exit_logits(
     for d in depths:
         if d <= start:
             raise ValueError(f"exit depths must be ascending and past start={start}, not {tuple(depths)}")
-        x, _ = models.forward(
-            params,
-            tokens_BT,
-            cache,
-            cfg,
-            valid_BT=valid_BT,
-            cache_write=models.CacheWrite.NONE,
-            hidden_BTE=x,
-            layer_range=(start, d),
-            final_norm=False,
-            remat=remat,
+        x = rows_hidden(
+            params, cache, None, tokens_BT, valid_BT, None, cfg, False, remat, layers=(start, d), hidden_BTE=x
         )
         at_BE = jnp.take_along_axis(x, answer_B[:, None, None].astype(jnp.int32), axis=1)[:, 0]
         out[d] = models.label_logits(params, exits_lib.exit_hidden(params, exits, at_BE, d, cfg), label_ids_BC, cfg)

@@ -1,19 +1,28 @@
 """Fixtures shared across test files: each is built once per session (the suite's time budget is
 tight, and loading the embedded model or saving a tiny checkpoint costs seconds each time)."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 
-# Hermetic defaults for the whole suite, set before anything imports JAX: no on-disk compilation
-# cache shared with other runs (tests of the cache set their own), and dtype="auto" means fp32 on
-# every machine (the tests' tolerances are fp32's).
-os.environ.setdefault("LEV_JAX_CACHE", "")
+# Hermetic defaults for the whole suite, set before anything imports JAX: one on-disk compilation
+# cache for this session only (a fresh directory, removed at exit; never shared with other runs), so
+# a program the suite compiled once -- the same model at the same shape in another test, or in a
+# server subprocess, which inherits the variable -- is loaded, not compiled again (tests of the cache
+# set their own); and dtype="auto" means fp32 on every machine (the tests' tolerances are fp32's).
+if "LEV_JAX_CACHE" not in os.environ:
+    os.environ["LEV_JAX_CACHE"] = _SESSION_CACHE = tempfile.mkdtemp(prefix="lev_jax_test_xla_")
+    atexit.register(shutil.rmtree, _SESSION_CACHE, ignore_errors=True)
 os.environ.setdefault("LEV_JAX_DTYPE", "float32")
 
 import lev_jax  # noqa: E402
-from lev_jax import programs  # noqa: E402
+from lev_jax import programs, runtime  # noqa: E402
 from lev_jax.loaders.gguf import embedded_default_path  # noqa: E402
+
+runtime.enable_compilation_cache()  # before this process compiles anything: JAX reads it once
 
 
 @pytest.fixture(scope="session")

@@ -99,21 +99,16 @@ def test_equals_reference_on_the_embedded_model(embedded):
     engine = lev_jax.load(embedded, calibration=None)
     qs = _questions()
     fast = engine.predict(STATE, qs)
+    # the real model, tokenizer and label codes through the shared-prefix path; question headers as
+    # cache segments and the rating readout take the same programs on the tiny models (below)
     _assert_close(fast, engine.predict(STATE, qs, reference=True))
-    many = _many_questions(2)  # question headers as cache segments
-    assert any(k[0] == "segment" for k in engine.programs(STATE, many))
-    _assert_close(engine.predict(STATE, many), engine.predict(STATE, many, reference=True))
-    rating = lev_jax.Engine(engine.backbone, noul_readout="rating", prompt_style="plain")
-    _assert_close(
-        rating.predict("The sky is green.", {"true": qs["vip"]}),
-        rating.predict("The sky is green.", {"true": qs["vip"]}, reference=True),
-    )
-    # bf16 weights (matmuls at the bf16 rate, fp32 accumulation and residual stream): the shared-prefix
-    # path agrees with bf16 independent forwards up to bf16 rounding, and with fp32 within ~1 point
+    # bf16 weights (matmuls at the bf16 rate, fp32 accumulation and residual stream) answer within ~1
+    # point of fp32 on the real model; that the bf16 shared-prefix path equals bf16 independent forwards
+    # is test_bfloat16_engine_equals_its_reference's (tiny models: the same programs, a fraction of the
+    # emulated-bf16 CPU time)
     bf16 = lev_jax.load(base_only=True, calibration=None, dtype="bfloat16")  # the raw embedded model
     fast16 = bf16.predict(STATE, qs)
     _check_well_formed(fast16)
-    _assert_close(fast16, bf16.predict(STATE, qs, reference=True), tol=0.02)
     _assert_close(fast16, fast, tol=0.03)
 
 
@@ -169,13 +164,13 @@ def test_no_recompilation_in_steady_state(tiny):
         }
         return state, qs
 
-    warm = [request() for _ in range(60)]  # the traffic that defines the bucket set
+    warm = [request() for _ in range(40)]  # the traffic that defines the bucket set
     for r in warm:
         tiny.predict(*r)
     seen = set().union(*(tiny.programs(*r) for r in warm))
     before = tiny.compiled_programs
-    fresh = [r for r in (request() for _ in range(400)) if tiny.programs(*r) <= seen][:50]
-    assert len(fresh) == 50
+    fresh = [r for r in (request() for _ in range(400)) if tiny.programs(*r) <= seen][:30]
+    assert len(fresh) == 30
     for r in fresh:  # new requests, new lengths, all inside the bucket set
         tiny.predict(*r)
     assert tiny.compiled_programs == before

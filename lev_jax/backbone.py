@@ -77,6 +77,35 @@ class Backbone:
         self.mode_b_head = None
         # exit adapters {str(depth): adapter} (readout.exits) of a run or release trained with them
         self.exits = None
+        self.views: dict[int, Backbone] = {}  # at_depth's, built once per depth
+
+    @property
+    def depth(self) -> int:
+        """The number of decoder layers this backbone runs (an exit view's: its exit)."""
+        return models.num_layers(self.config)
+
+    def exit_depths(self) -> tuple[int, ...]:
+        """The depths a request can be served at: every trained exit, then the full depth."""
+        return tuple(sorted({int(d) for d in self.exits or ()} | {self.depth}))
+
+    def at_depth(self, depth: int) -> Backbone:
+        """This backbone truncated at a trained exit (elastic depth, `models.exit_view`): it runs and
+        caches the first `depth` layers only and reads labels through the exit's adapter and the
+        shared final norm and head; the same weights (nothing copied), its own compiled programs.
+        `depth` = the full depth is this backbone; ValueError for a depth with no trained exit."""
+        depth = int(depth)
+        if depth == self.depth:
+            return self
+        if depth not in self.views:
+            if str(depth) not in (self.exits or {}):
+                have = ", ".join(map(str, self.exit_depths()))
+                raise ValueError(f"depth {depth} is not an exit of {self.name or 'this model'} (depths: {have})")
+            params, cfg = models.exit_view(self.params, self.config, depth, self.exits[str(depth)])
+            kw = {"name": self.name, "source": self.source, "hf_config": self.hf_config, "vision": self.vision}
+            view = Backbone(cfg, params, self.tokenizer, **kw)
+            view.mode_b_head = self.mode_b_head
+            self.views[depth] = view
+        return self.views[depth]
 
     @property
     def dtype(self) -> str:

@@ -13,6 +13,7 @@ engine's own).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -20,9 +21,25 @@ from lev_jax import backbone as backbone_lib
 from lev_jax import buckets, domain, programs, readout, runtime
 from lev_jax.backbone import Backbone, compiled_programs
 from lev_jax.calibrate import Calibration
+from lev_jax.elastic import policy
 from lev_jax.errors import RequestError
 from lev_jax.readout import logits as logits_lib
 from lev_jax.readout import shapes
+
+AUTO = "auto"  # depth="auto": elastic.policy's confidence cascade over the exits
+# the top probability at which depth="auto" stops at an exit (a release may carry its own, fitted on
+# its calibration split: `levbench depth`)
+DEPTH_THRESHOLD = 0.9
+
+
+def depth_of(plan, full: int):
+    """A plan's depth (plans made before elastic depth: the full depth)."""
+    return getattr(plan, "depth", None) or full
+
+
+def tag(depth: int, keys: set, full: int) -> set:
+    """Program keys at an exit carry its depth (another config: other programs); the full depth's are as they were."""
+    return keys if depth == full else {("depth", depth, *k) for k in keys}
 
 
 @runtime_checkable
@@ -60,6 +77,8 @@ class Engine:
         prefix_cache_bytes: int = 256 << 20,
         mode_b: bool = True,
         mode_b_min_options: int = domain.MODE_B_MIN_OPTIONS,
+        depth_threshold: float = DEPTH_THRESHOLD,
+        exit_calibrations: dict[int, Calibration] | None = None,
     ):
         if backbone.tokenizer is None:
             raise ValueError("predict() needs a tokenizer; this checkpoint ships none")
@@ -77,6 +96,12 @@ class Engine:
             mode_b_min_options=mode_b_min_options,
         )
         self.executor = readout.Executor(backbone, prefix_cache_bytes=prefix_cache_bytes)
+        # elastic depth: an executor per exit served so far (each its own prefix cache and programs),
+        # the top probability at which depth="auto" stops at an exit, and each exit's calibration
+        # (identity where none was fitted: the full depth's temperatures do not fit a shallower readout)
+        self.executors: dict[int, readout.Executor] = {backbone.depth: self.executor}
+        self.depth_threshold = float(depth_threshold)
+        self.exit_calibrations = dict(exit_calibrations or {})
         self.calibration = calibration or Calibration.identity(model_name or backbone.name)
         self.model_name = model_name or backbone.name
         self.checkpoint = checkpoint
@@ -96,12 +121,14 @@ class Engine:
     exact_reruns = property(lambda self: self.executor.exact_reruns)
 
     # -- public API ----------------------------------------------------------------------------
-    def plan(self, state, questions, images: dict | None = None) -> readout.RequestPlan:
+    def plan(self, state, questions, images: dict | None = None, *, depth=None) -> readout.RequestPlan:
         """Validate, lay out and tokenize a request, checking the token limits (RequestError /
         TokenLimitError) before any device work. `images` (a vision checkpoint): placeholder ->
         image (encoded PNG/JPEG bytes, a file path, or an `images.PreparedImage`), each placeholder
         written where the state shows the image; decoded and preprocessed here (ImageError /
-        ImageTooLargeError name the asset)."""
+        ImageTooLargeError name the asset). `depth` (elastic depth, `resolve_depth`) travels with the
+        plan; an unknown one is a RequestError here, before any work."""
+        depth = self.resolve_depth(depth)
         prepared = None
         if images:
             if self.backbone.vision is None:
@@ -109,7 +136,45 @@ class Engine:
             if len(images) > domain.MAX_IMAGES_PER_REQUEST:
                 raise RequestError(f"{len(images)} images; the limit is {domain.MAX_IMAGES_PER_REQUEST} per request")
             prepared = {alias: self.backbone.vision.prepare(alias, data) for alias, data in images.items()}
-        return self.planner.plan(state, questions, prepared)
+        plan = self.planner.plan(state, questions, prepared)
+        plan.depth = depth
+        return plan
+
+    # -- elastic depth -------------------------------------------------------------------------
+    @property
+    def depths(self) -> tuple[int, ...]:
+        """The depths a request can be served at: the trained exits and the full depth."""
+        return self.backbone.exit_depths()
+
+    def resolve_depth(self, depth) -> int | str:
+        """A request's depth: None or "full" -> the full depth; "auto" (the confidence cascade over the
+        exits, `answer`); an exit's layer count (an int, or its decimal text). RequestError otherwise."""
+        full = self.backbone.depth
+        if depth is None or depth == "full":
+            return full
+        if depth == AUTO:
+            return AUTO if len(self.depths) > 1 else full
+        try:
+            d = int(depth)
+        except (TypeError, ValueError):
+            d = None
+        if d is None or isinstance(depth, bool) or d not in self.depths or str(d) != str(depth).strip():
+            have = ", ".join(map(str, self.depths))
+            raise RequestError(f"depth must be 'auto', 'full' or one of this model's exits ({have}), not {depth!r}")
+        return d
+
+    def executor_at(self, depth: int) -> readout.Executor:
+        """The executor reading at exit `depth` (built on first use: the backbone truncated there)."""
+        if depth not in self.executors:
+            self.executors[depth] = readout.Executor(
+                self.backbone.at_depth(depth), prefix_cache_bytes=self.executor.prefix_cache_bytes
+            )
+        return self.executors[depth]
+
+    def calibration_at(self, depth: int, calibration: Calibration | None = None) -> Calibration:
+        if depth == self.backbone.depth:
+            return calibration or self.calibration
+        return self.exit_calibrations.get(depth) or Calibration.identity(self.model_name)
 
     def count_tokens(self, state, questions, images: dict | None = None) -> dict:
         return self.plan(state, questions, images).token_counts()
@@ -121,18 +186,68 @@ class Engine:
         *,
         reader=None,
         calibration: Calibration | None = None,
+        reference: bool = False,
     ) -> list[dict]:
-        """Answers of planned requests. `reader` (default: the executor's fast path) maps
-        [(prefix_ids, rows)] to label logits; `calibration` defaults to the engine's."""
+        """Answers of planned requests, each at its plan's depth (plans of one depth share device
+        calls). `reader` (default: the executor's fast path; full-depth plans only) maps
+        [(prefix_ids, rows)] to label logits; `reference=True` reads every row with an independent
+        forward of the model at its depth; `calibration` defaults to the engine's. Each usage's
+        `depths` says, per question, the depth that answered it."""
         if programs.guard():  # a long-lived process must not run out of memory-map entries (programs.py)
             self.compiled_keys.clear()  # every program was freed: each recompiles on next use
-        keys = self.batch_programs(plans) if reader is None else set()
-        out = readout.run(plans, reader or self.executor.read, usages, self.planner, calibration or self.calibration)
+        out: list = [None] * len(plans)
+        groups: dict = {}
+        for i, p in enumerate(plans):
+            groups.setdefault(depth_of(p, self.backbone.depth), []).append(i)
+        for depth, idx in groups.items():
+            sub = [plans[i] for i in idx]
+            subu = [usages[i] for i in idx]
+            if reader is not None and depth != self.backbone.depth:
+                raise ValueError("a custom reader reads the full model; these plans ask for another depth")
+            kw = {"reader": reader, "calibration": calibration, "reference": reference}
+            if depth == AUTO:
+                answers = [self.answer_auto(p, u, **kw) for p, u in zip(sub, subu)]
+            else:
+                answers = self.answer_at(depth, sub, subu, **kw)
+            for i, a in zip(idx, answers):
+                out[i] = a
+        return out
+
+    def answer_at(self, depth: int, plans, usages, *, reader=None, calibration=None, reference=False) -> list[dict]:
+        """Answers of plans read at one depth (the full model, or truncated at an exit)."""
+        executor = self.executor_at(depth)
+        if reference:
+            reader = executor.read_reference
+        keys = self.programs_at(depth, plans) if reader is None else set()
+        cal = self.calibration_at(depth, calibration)
+        out = readout.run(plans, reader or executor.read, usages, self.planner, cal)
+        for plan, usage in zip(plans, usages):
+            usage.depths.update({qp.qid: depth for qp in plan.questions})
         images = any(getattr(p.prefix_ids, "images", ()) for p in plans)  # shapes.signature records text only
-        if not keys <= self.compiled_keys and self.on_compile is not None and not images:
+        recorded = self.on_compile is not None and not images and depth == self.backbone.depth  # full depth: warm-up's
+        if recorded and not keys <= self.compiled_keys:
             self.on_compile(shapes.signature([(p.prefix_ids, p.rows) for p in plans]))
         self.compiled_keys |= keys
         return out
+
+    def answer_auto(self, plan, usage, *, reader=None, calibration=None, reference=False) -> dict:
+        """depth="auto": every question read at the shallowest exit, and each one whose top
+        probability is below `depth_threshold` read again at the next exit, up to the full depth
+        (elastic.policy.threshold, the policy `levbench depth` evaluates). Each exit's prefix is
+        computed once per state and kept in that exit's cache; a question read again runs the
+        shallower layers again (the serving path does not yet continue a shallower exit's cache:
+        `elastic.cascade` does, one request at a time)."""
+        answers, todo = {}, list(plan.questions)
+        for depth in self.depths:
+            if not todo:
+                break
+            sub = dataclasses.replace(plan, questions=todo, depth=depth)
+            got = self.answer_at(depth, [sub], [usage], reader=reader, calibration=calibration, reference=reference)[0]
+            last = depth == self.backbone.depth
+            keep = [qp for qp in todo if not last and policy.top_probability(got[qp.qid]) < self.depth_threshold]
+            answers.update({qp.qid: got[qp.qid] for qp in todo if qp not in keep})
+            todo = keep
+        return {qp.qid: answers[qp.qid] for qp in plan.questions}
 
     def warm(self, signature: dict) -> int:
         """Run a batch of the recorded shape (made-up tokens, `readout.shapes`), compiling what it
@@ -157,11 +272,15 @@ class Engine:
         images: dict | None = None,
         reference: bool = False,
         calibration: Calibration | None = None,
+        depth=None,
     ) -> dict:
         """Answers in the Jev shapes. `images` (a vision checkpoint): placeholder -> image, as in
         `plan`. `reference=True` runs one independent full forward per row (no shared prefix, no
-        bucketing): slow, for checking the fast path."""
-        return self.predict_with_usage(state, questions, images=images, reference=reference, calibration=calibration)[0]
+        bucketing): slow, for checking the fast path. `depth` (elastic depth): None / "full", an
+        exit's layer count, or "auto" (`resolve_depth`, `answer_auto`)."""
+        return self.predict_with_usage(
+            state, questions, images=images, reference=reference, calibration=calibration, depth=depth
+        )[0]
 
     def predict_with_usage(
         self,
@@ -171,15 +290,16 @@ class Engine:
         images: dict | None = None,
         reference: bool = False,
         calibration: Calibration | None = None,
+        depth=None,
     ) -> tuple[dict, dict]:
         """(answers, usage): usage = {"input_tokens": state prefix once + every question row,
         including round-2 rows of grouped choices, "cached_input_tokens": of those, prefix tokens
         reused from an earlier request with the same state}; with images also "image_tokens" (of
-        the input tokens) and "cached_image_tokens" (of those, ones whose features were cached)."""
-        plan = self.plan(state, questions, images)
+        the input tokens) and "cached_image_tokens" (of those, ones whose features were cached);
+        "depths": per question, the depth that answered it."""
+        plan = self.plan(state, questions, images, depth=depth)
         usage = readout.Usage()
-        reader = self.executor.read_reference if reference else self.executor.read
-        answers = self.answer([plan], [usage], reader=reader, calibration=calibration)[0]
+        answers = self.answer([plan], [usage], calibration=calibration, reference=reference)[0]
         return answers, usage.as_dict()
 
     def predict_many(self, requests, *, with_usage: bool = False) -> list:
@@ -201,16 +321,34 @@ class Engine:
                 out[i] = (answers, usage.as_dict()) if with_usage else answers
         return out
 
-    def programs(self, state, questions) -> set[tuple]:
+    def programs(self, state, questions, *, depth=None) -> set[tuple]:
         """The device programs (shape-bucket keys) a request's first round needs; a request whose
         keys were all seen before compiles nothing."""
-        plan = self.plan(state, questions)
-        return self.executor.programs(plan.prefix_ids, plan.rows)
+        plan = self.plan(state, questions, depth=depth)
+        d = depth_of(plan, self.backbone.depth)
+        return set().union(
+            *(
+                tag(x, self.executor_at(x).programs(plan.prefix_ids, plan.rows), self.backbone.depth)
+                for x in (self.depths if d == AUTO else (d,))
+            )
+        )
+
+    def programs_at(self, depth: int, plans: list[readout.RequestPlan]) -> set[tuple]:
+        """The program keys reading `plans` together at one depth (tagged with the depth below the full one)."""
+        keys = self.executor_at(depth).batch_programs([(p.prefix_ids, p.rows) for p in plans])
+        return tag(depth, keys, self.backbone.depth)
 
     def batch_programs(self, plans: list[readout.RequestPlan]) -> set[tuple]:
         """The device programs (shape-bucket keys) answering these planned requests together (one
-        micro-batch) runs."""
-        return self.executor.batch_programs([(p.prefix_ids, p.rows) for p in plans])
+        micro-batch) runs; a depth="auto" plan counts every depth it may reach."""
+        groups: dict = {}
+        for p in plans:
+            groups.setdefault(depth_of(p, self.backbone.depth), []).append(p)
+        keys: set = set()
+        for d, ps in groups.items():
+            for x in self.depths if d == AUTO else (d,):
+                keys |= self.programs_at(x, ps)
+        return keys
 
     def ready(self, requests) -> bool:
         """Would answering these requests together (a micro-batch of (state, questions) or (plan,
@@ -248,6 +386,14 @@ class Engine:
                 if self.planner.marker
                 else None
             ),
+            "depth": {
+                "layers": self.backbone.depth,
+                "exits": list(self.depths),
+                "auto_threshold": self.depth_threshold if len(self.depths) > 1 else None,
+                # held-out quality per exit, where the release measured it
+                "quality": None if self.release is None else (self.release.get("exits") or {}).get("metrics"),
+                "calibrated": sorted(self.exit_calibrations),
+            },
             "supports_images": self.supports_images,
             "vision": None if self.backbone.vision is None else self.backbone.vision.info(),
             "noul_readout": self.noul_readout,

@@ -52,13 +52,20 @@ def _smollm2_tokenizer():
     return read_gguf(embedded_default_path()).tokenizer
 
 
-def tiny_backbone(family: str = "llama", seed: int = 0, init_std: float = 0.5, dtype: str = "float32") -> Backbone:
+def tiny_backbone(
+    family: str = "llama", seed: int = 0, init_std: float = 0.5, dtype: str = "float32", *, layers: int | None = None
+) -> Backbone:
     """A tiny random backbone over a real vocabulary: `llama` with the SmolLM2 tokenizer, `qwen3_5`
     with the Qwen3.5 tokenizer. `init_std` is large enough that label distributions are not flat.
-    The same seed gives the same weights in every dtype (bf16 ones are the fp32 ones rounded)."""
+    The same seed gives the same weights in every dtype (bf16 ones are the fp32 ones rounded).
+    `layers`: a deeper llama than the default 2 layers (elastic depth needs exits to choose from)."""
     if family == "llama":
         tok = _smollm2_tokenizer()
-        hf = {**TINY_LLAMA, "vocab_size": tok.vocab_size}
+        hf = {
+            **TINY_LLAMA,
+            "vocab_size": tok.vocab_size,
+            "num_hidden_layers": layers or TINY_LLAMA["num_hidden_layers"],
+        }
     elif family == "qwen3_5":
         from lev_jax.tokenizer import Tokenizer
 
@@ -66,6 +73,8 @@ def tiny_backbone(family: str = "llama", seed: int = 0, init_std: float = 0.5, d
         hf = {**TINY_QWEN3_5, "vocab_size": tok.vocab_size}
     else:
         raise ValueError(f"unknown tiny family {family!r}")
+    if layers is not None and family != "llama":
+        raise ValueError("layers= sizes the tiny llama (the tiny qwen3_5 has its 4 layer types)")
     cfg = models.config_from_hf(hf)
     return Backbone(
         cfg, models.random_params(cfg, dtype, seed=seed, init_std=init_std), tok, name=f"tiny-{family}", hf_config=hf

@@ -40,6 +40,15 @@ def _depths(exit_rows: Mapping[int, Sequence]) -> list[int]:
     return depths
 
 
+def top_probability(answer: Mapping) -> float:
+    """An answer's top probability (what `threshold` compares): a choice's or score's largest
+    probability, a noul's max(P(yes), P(no))."""
+    if answer.get("type") == "noul":
+        p = float(answer["noul"])
+        return max(p, 1.0 - p)
+    return max(float(v) for v in answer["probabilities"].values())
+
+
 def select(exit_rows: Mapping[int, Sequence], chosen: Sequence[int]) -> list:
     """The rows of each item at its chosen depth."""
     return [exit_rows[int(d)][i] for i, d in enumerate(chosen)]

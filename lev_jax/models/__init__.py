@@ -7,6 +7,7 @@ path, or merge a LoRA tree into `params` first.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -123,7 +124,29 @@ def forward(
 
 def final_norm(params, x, cfg):
     """The model's final norm over a raw residual stream (`forward(..., final_norm=False)`)."""
-    return bind(params, cfg).norm(x)
+    return bind(params, cfg).final(x)
+
+
+def exit_view(params, cfg, depth: int, adapter=None):
+    """(params, cfg) of the model truncated after `depth` layers (elastic depth): its first `depth`
+    layers (the same arrays, nothing copied), the exit adapter `adapter` ({scale, a, b}, required
+    below the full depth) before the shared final norm, and the same embeddings and head. Every
+    function of (params, cfg) -- forward, prefill, every readout -- then computes and caches those
+    layers only and reads labels at the exit; the config differs, so its programs are its own."""
+    L = num_layers(cfg)
+    if not 1 <= depth <= L:
+        raise ValueError(f"an exit depth is a layer count in [1, {L}], not {depth}")
+    if depth == L:
+        return params, cfg
+    if adapter is None:
+        raise ValueError(f"no exit adapter for depth {depth}")
+    changes = {"num_hidden_layers": depth, "exit_rank": int(adapter["a"].shape[-1])}
+    if hasattr(cfg, "layer_types"):
+        changes["layer_types"] = tuple(cfg.layer_types[:depth])
+    view = {k: v for k, v in params.items() if k != "layers"}
+    view["layers"] = {i: params["layers"][i] for i in range(depth)}
+    view["exit"] = {k: adapter[k] for k in ("scale", "a", "b")}
+    return view, dataclasses.replace(cfg, **changes)
 
 
 def num_layers(cfg) -> int:

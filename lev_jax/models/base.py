@@ -14,7 +14,7 @@ from flax import nnx
 
 from lev_jax.models import cache as cache_lib
 from lev_jax.models.context import CacheWrite, Context
-from lev_jax.models.layers import dense, rope_cos_sin
+from lev_jax.models.layers import ExitMap, dense, rope_cos_sin
 
 # Rematerialisation, per decoder layer: name -> the jax.checkpoint policy each layer's call runs
 # under (None: no checkpoint, the plain call). Under a policy the backward pass keeps only each
@@ -60,6 +60,10 @@ class CausalLM(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = dense(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
         self.tied = cfg.tie_word_embeddings
+        # a model truncated at an elastic-depth exit (models.exit_view) maps its last layer's output
+        # towards the full model's before the shared final norm; the full model has no map
+        rank = getattr(cfg, "exit_rank", 0)
+        self.exit = ExitMap(cfg.hidden_size, rank, dtype=dtype) if rank else None
 
     def __call__(
         self,
@@ -147,7 +151,12 @@ class CausalLM(nnx.Module):
             new_cache = cache_lib.advance(cache, B, valid_BT, tuple(new_layers))
         else:
             new_cache = None
-        return (self.norm(x) if final_norm else x), new_cache
+        return (self.final(x) if final_norm else x), new_cache
+
+    def final(self, x):
+        """The final norm of a raw residual stream (after the exit map of a model truncated at an
+        exit)."""
+        return self.norm(x if self.exit is None else self.exit(x))
 
     def head(self, hidden_BRE, token_ids=None):
         """Vocabulary logits in fp32, over all rows of the head or only `token_ids` ([N] -> [..., N])."""

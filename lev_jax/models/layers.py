@@ -181,6 +181,32 @@ class RMSNorm(nnx.Module):
         return w.astype(x.dtype) * y.astype(x.dtype)
 
 
+EXIT_NORM_EPS = 1e-6
+
+
+def exit_map(x_raw, scale, a, b):
+    """An exit adapter's map of a raw residual stream [..., E] (elastic depth, readout.exits): the
+    stream plus a rank-r correction read off its fp32-statistics RMS norm, x + (rmsnorm(x) * scale)
+    @ a @ b, in fp32 (the matmuls at the weights' dtype, accumulated in fp32)."""
+    x = x_raw.astype(jnp.float32)
+    normed = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + EXIT_NORM_EPS) * scale
+    low = jnp.einsum("...e,er->...r", normed.astype(a.dtype), a, preferred_element_type=jnp.float32)
+    return x + jnp.einsum("...r,re->...e", low.astype(b.dtype), b, preferred_element_type=jnp.float32)
+
+
+class ExitMap(nnx.Module):
+    """`exit_map` as a module: what a model truncated at an exit (`models.exit_view`) applies before
+    its final norm, so every readout path of the full model reads labels at the exit unchanged."""
+
+    def __init__(self, dim: int, rank: int, *, dtype):
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
+        self.a = nnx.Param(jnp.zeros((dim, rank), dtype))
+        self.b = nnx.Param(jnp.zeros((rank, dim), dtype))
+
+    def __call__(self, x):
+        return exit_map(x, self.scale[...], self.a[...], self.b[...])
+
+
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 

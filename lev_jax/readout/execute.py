@@ -46,9 +46,12 @@ class Usage:
     prefix_seen: bool = False
     image_tokens: int = 0  # of `processed`, the state's image tokens
     cached_image_tokens: int = 0  # of those, image tokens whose features (or whole prefix) were cached
+    depths: dict = dataclasses.field(default_factory=dict)  # question id -> the depth that answered it
 
     def as_dict(self) -> dict:
         out = {"input_tokens": self.processed, "cached_input_tokens": self.cached}
+        if self.depths:
+            out["depths"] = dict(self.depths)
         if self.image_tokens:
             out |= {"image_tokens": self.image_tokens, "cached_image_tokens": self.cached_image_tokens}
         return out

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from lev_jax import models
+from lev_jax.models.layers import exit_map
 
-NORM_EPS = 1e-6
 EXITS_KEY = "exits"  # where a training state's trainable tree holds the exit adapters, beside the adapter
 DEFAULT = "default"  # the spec of L/4, L/2, 3L/4 (and L)
 
@@ -79,12 +79,9 @@ def default_depths(cfg) -> tuple[int, ...]:
 
 
 def apply_exit(adapter, x_raw):
-    """The adapter's residual map of a raw residual stream [..., E] (fp32 out)."""
-    x = x_raw.astype(jnp.float32)
-    normed = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + NORM_EPS) * adapter["scale"]
-    w_a, w_b = adapter["a"], adapter["b"]
-    low = jnp.einsum("...e,er->...r", normed.astype(w_a.dtype), w_a, preferred_element_type=jnp.float32)
-    return x + jnp.einsum("...r,re->...e", low.astype(w_b.dtype), w_b, preferred_element_type=jnp.float32)
+    """The adapter's residual map of a raw residual stream [..., E] (fp32 out; models.layers.exit_map,
+    the one a model truncated at the exit applies too)."""
+    return exit_map(x_raw, adapter["scale"], adapter["a"], adapter["b"])
 
 
 def exit_hidden(params, exits, x_raw, depth: int, cfg):

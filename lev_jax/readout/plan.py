@@ -123,6 +123,7 @@ class RequestPlan:
     state_text: str
     prefix_ids: list[int]
     questions: list[QuestionPlan]
+    depth: int | str | None = None  # elastic depth it is read at (Engine.resolve_depth; None: the full depth)
 
     @property
     def rows(self) -> list[Row]:

@@ -10,7 +10,9 @@ engine in the wire's own shape. docs/API.md is the contract.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
+import inspect
 import logging
 import math
 import os
@@ -42,6 +44,9 @@ log = logging.getLogger("lev_jax.server")
 
 API_KEYS_ENV = "LEV_API_KEYS"
 REQUEST_ID_HEADER = "x-typesafe-request-id"
+# elastic depth: "auto", "full" or an exit's layer count (the Jev body stays as it is); the answer's
+# `x_depth` says, per question, which depth answered
+DEPTH_HEADER = "x-lev-depth"
 ALIAS = "jev-latest"
 RELEASE_DATE = "2026-12-01"
 
@@ -147,6 +152,7 @@ def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> Fa
         engine.on_compile = warmup.record
     model_name = engine.model_name
     accepted_models = {ALIAS, model_name}
+    takes_depth = "depth" in inspect.signature(engine.plan).parameters  # an engine with elastic depth
     started = time.time()
 
     @asynccontextmanager
@@ -256,8 +262,14 @@ def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> Fa
         # the wire shape is the engine's shape: nulls mean "nothing", as the engine reads them
         questions = {qid: q.model_dump() for qid, q in req.questions.items()}
         plan_args = (req.state, questions) + (({img.alias: img.data for img in images},) if images else ())
+        plan_kwargs = {}
+        depth = request.headers.get(DEPTH_HEADER)
+        if depth is not None:
+            if not takes_depth:
+                raise E.usage_error(f"Model {model_name} is served at one depth; remove the {DEPTH_HEADER} header")
+            plan_kwargs["depth"] = depth.strip()
         try:  # plan once (images decoded too): count tokens and refuse over-budget requests before they queue
-            plan = await run_in_threadpool(engine.plan, *plan_args)
+            plan = await run_in_threadpool(functools.partial(engine.plan, *plan_args, **plan_kwargs))
             counts = plan.token_counts()
         except (TokenLimitError, ImageTooLargeError) as e:
             raise E.too_large(str(e)) from None
@@ -315,6 +327,7 @@ def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> Fa
                 "usage": usage,
                 "x_cached_input_tokens": int(usage_reported.get("cached_input_tokens", 0)),
                 "x_readout": {qp.qid: qp.route for qp in plan.questions},
+                **({"x_depth": usage_reported["depths"]} if usage_reported.get("depths") else {}),
                 **(
                     {
                         "x_image_tokens": int(usage_reported["image_tokens"]),
@@ -385,6 +398,8 @@ def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> Fa
             "prompt_style": info.get("prompt_style"),
             "calibrated": info.get("calibrated"),
             "mode_b": info.get("mode_b"),
+            # elastic depth: the layers, the exits a request can ask for, auto's threshold, per-exit quality
+            "depth": info.get("depth"),
             "noul_readout": info.get("noul_readout"),
             "option_cap": info.get("option_cap"),
             "supports_images": bool(engine.supports_images),

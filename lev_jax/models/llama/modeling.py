@@ -35,6 +35,7 @@ class LlamaConfig:
     qkv_bias: bool = False
     qk_norm: str | None = None
     max_position_embeddings: int = 8192
+    exit_rank: int = 0  # > 0: truncated at an elastic-depth exit (models.exit_view)
 
     @classmethod
     def from_hf(cls, d: dict) -> LlamaConfig:

@@ -52,6 +52,7 @@ class Qwen3_5Config:
     image_token_id: int | None = None
     vision_start_token_id: int | None = None
     vision_end_token_id: int | None = None
+    exit_rank: int = 0  # > 0: truncated at an elastic-depth exit (models.exit_view)
 
     @classmethod
     def from_hf(cls, d: dict) -> Qwen3_5Config:

@@ -74,6 +74,34 @@ def test_a_release_carries_the_exits(stage):
             np.testing.assert_array_equal(np.asarray(bb.exits[d][k]), np.asarray(trained[d][k], np.float32))
 
 
+def test_an_exits_run_starts_from_a_release(stage):
+    """`--from-release`: a new run continues a release's adapter (how a shipped default gets exits);
+    the adapter comes in bit for bit and stays so; a release that does not fit is one line, exit 2."""
+    root, plain, _, _ = stage
+    rel = root / "plain-release"
+    p = subprocess.run(
+        [sys.executable, "-m", "train", "release", "--run", str(plain), "--out", str(rel)],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    run = root / "from-release"
+    args = ["--from-release", str(rel), "--set", "exits=default", "--set", "train_adapter=false", *CHOICES]
+    q = train(run, *args, "--steps", "2", "--checkpoint-every", "2", *FAST)
+    assert f"starting from release {json.loads((rel / 'lev_release.json').read_text())['name']}" in q.stdout
+    exits = adapter_unchanged(plain / "checkpoints" / "2", run / "checkpoints" / "2", "exits")
+    assert sorted(exits) == ["1", "2", "3"]
+    events = json.loads((run / "history.json").read_text())["events"]
+    assert any(e.get("from_release") for e in events)
+    bad = train(root / "misfit", *args, "--set", "lora_rank=4", "--steps", "1", *FAST, check=False)
+    assert bad.returncode == 2 and not (root / "misfit" / "checkpoints").exists()
+    [line] = bad.stderr.strip().splitlines()
+    assert "does not fit this run: lora_rank" in line
+
+
 def test_exits_are_refused_where_they_cannot_train():
     """Refused before any work, with the line the CLI prints (ConfigError / TrainingError: exit 2)."""
     from lev_jax import models, testing

@@ -161,6 +161,12 @@ def _train_parser() -> argparse.ArgumentParser:
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--fresh", action="store_true", help="move the old run aside and start from step 0")
     g.add_argument("--resume", help="start from this checkpoint (a run directory or its checkpoints/<step>)")
+    g.add_argument(
+        "--from-release",
+        metavar="DIR",
+        help="a new run starting from a release's adapter (e.g. an exits stage over a shipped release, with "
+        "--set train_adapter=false); its base, LoRA shape and prompt settings must be this run's",
+    )
     return ap
 
 
@@ -229,6 +235,11 @@ def train_main(argv: Sequence[str], out=print) -> int:
     resume = Path(args.resume) if args.resume else None
     if resume is not None and not resume.exists():
         raise DataError(f"--resume {resume}: no such checkpoint or run directory")
+    from_release = Path(args.from_release) if args.from_release else None
+    if from_release is not None:
+        from lev_jax.training import release
+
+        release.check_stage_source(from_release, cfg)  # before the base loads: a wrong release says so at once
     # the base model first: a hub id offline fails here, before any data is built
     base = run.load_base(cfg.model, "float32" if cfg.full_finetune else cfg.dtype)
     mesh = mesh_lib.make(cfg.mesh)
@@ -240,7 +251,7 @@ def train_main(argv: Sequence[str], out=print) -> int:
     data_dir = resolve_data(cfg, run_dir, out)
     if jax.process_index() == 0:
         run.write_config(run_dir, cfg)
-    summary = loop.train(cfg, run_dir, base, data_dir, mesh=mesh, resume=resume, out=out)
+    summary = loop.train(cfg, run_dir, base, data_dir, mesh=mesh, resume=resume, from_release=from_release, out=out)
     trained = summary.pop("state", None) is not None
     summary.pop("trainer", None)  # free the device copies before calibrating
     if cfg.calibrate and (trained or not (run_dir / "calibration.json").is_file()):

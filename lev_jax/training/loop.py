@@ -431,11 +431,13 @@ def train(
     *,
     mesh,
     resume: Path | None = None,
+    from_release: Path | None = None,
     out: Callable[[str], None] = print,
     warn: Callable[[str], None] | None = None,
 ) -> dict:
     """Train `cfg.steps` steps (resuming from the newest checkpoint of `run_dir`, or from `resume`),
-    checkpointing every `checkpoint_every` steps and at the end. Returns a summary."""
+    checkpointing every `checkpoint_every` steps and at the end. Returns a summary. `from_release`: a
+    run with no checkpoint yet starts from that release's adapter (a rerun resumes its own checkpoints)."""
     from lev_jax.readout import Planner
 
     warn = warn or out
@@ -465,6 +467,15 @@ def train(
     source = ckpts if resume is None else checkpoint.Checkpoints(_run_of(resume), read_only=True, warn=warn)
     wanted = _step_of(resume)
     fresh: dict = {}  # trainable groups a stage adds to the restored state (started fresh)
+    started_from = None
+    if from_release is not None and resume is None and not ckpts.steps():
+        from lev_jax.training import release
+
+        adapter, name = release.stage_adapter(from_release, cfg, backbone, parts(state["trainable"])[0])
+        state = {**state, "trainable": {**state["trainable"], **adapter}}
+        state["opt_state"] = trainer.optimizer.init(state["trainable"])
+        state = jax.device_put(state, trainer.state_shardings(state))
+        started_from = name
     for s in [wanted] if wanted is not None else source.steps()[::-1]:
         try:  # refuse another base model before restoring anything (an unreadable one: restore says)
             meta = source.read_meta(s)
@@ -503,6 +514,9 @@ def train(
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
         ) from None
     history = checkpoint.read_history(run_dir)
+    if started_from is not None:
+        out(f"starting from release {started_from}'s adapter ({from_release})")
+        history.append({"event": "stage", "step": 0, "from_release": started_from})
     tokens_before, elapsed_before = 0, 0.0
     if restored is not None:
         start, trainable, opt_state, train_state, meta = restored

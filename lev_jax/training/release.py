@@ -29,6 +29,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import safetensors.numpy
 
@@ -260,6 +261,68 @@ def read_manifest(release_dir) -> dict:
     return m
 
 
+def check_files(release_dir, manifest: dict) -> None:
+    """CheckpointError naming the release's files that are missing or changed since it was made."""
+    release_dir = Path(release_dir)
+    bad = [
+        f
+        for f, h in manifest.get("files", {}).items()
+        if not (release_dir / f).is_file() or _sha256(release_dir / f) != h
+    ]
+    if bad:
+        raise CheckpointError(f"{release_dir}: files missing or changed since the release: {', '.join(bad)}")
+
+
+def check_stage_source(release_dir, cfg) -> dict:
+    """The manifest of a release a new run starts from (`python -m train --from-release`), checked
+    against the run's config before anything loads: the same base model, LoRA rank, alpha and targets
+    (the adapter is continued, not converted) and prompt settings (the rows it trained on are the rows
+    the run trains on). CheckpointError naming every difference."""
+    from lev_jax.training import run
+
+    release_dir = Path(release_dir)
+    if not is_release(release_dir):
+        raise CheckpointError(f"--from-release {release_dir}: not a release directory (no {MANIFEST})")
+    m = read_manifest(release_dir)
+    check_files(release_dir, m)
+    train, problems = m.get("training", {}), []
+    if m["base"].get("model") != cfg.model:
+        problems.append(f"base model {m['base'].get('model')!r}, this run's is {cfg.model!r}")
+    if cfg.full_finetune:
+        problems.append("this run is a full fine-tune; a release carries a LoRA adapter")
+    for key in ("lora_rank", "lora_alpha"):
+        if train.get(key) != getattr(cfg, key):
+            problems.append(f"{key} {train.get(key)}, this run's is {getattr(cfg, key)}")
+    if sorted(train.get("lora_targets") or ()) != sorted(cfg.lora_targets):
+        problems.append(f"lora_targets {train.get('lora_targets')}, this run's are {list(cfg.lora_targets)}")
+    for key in run.ENGINE_KEYS:
+        if m.get("engine", {}).get(key) != getattr(cfg, key):
+            problems.append(f"{key} {m.get('engine', {}).get(key)!r}, this run's is {getattr(cfg, key)!r}")
+    if problems:
+        raise CheckpointError(f"--from-release {release_dir} does not fit this run: " + "; ".join(problems))
+    return m
+
+
+def stage_adapter(release_dir, cfg, backbone, like: dict) -> tuple[dict, str]:
+    """(the release's adapter as this run's trainable adapter tree, the release's name): checked
+    (`check_stage_source`), on the base whose weights hash the manifest names, and shaped exactly like
+    `like` (the run's fresh adapter: the same kernels, the same rank)."""
+    m = check_stage_source(release_dir, cfg)
+    found = weights_hash(backbone.params)
+    if found != m["base"]["weights_sha256"]:
+        raise CheckpointError(
+            f"--from-release {release_dir} was released for base weights {m['base']['weights_sha256'][:16]}..., "
+            f"this run's base hashes to {found[:16]}..."
+        )
+    adapter, scale = peft.read(release_dir, backbone.params, backbone.hf_config)
+    if abs(scale - cfg.lora_scale) > 1e-9 * max(1.0, cfg.lora_scale):
+        raise CheckpointError(f"--from-release {release_dir}: LoRA scale {scale:g}, this run's is {cfg.lora_scale:g}")
+    if set(adapter) != set(like) or any(adapter[k]["a"].shape != like[k]["a"].shape for k in like):
+        raise CheckpointError(f"--from-release {release_dir}: its adapter's kernels or rank differ from this run's")
+    adapter = {k: {n: jnp.asarray(v[n], jnp.float32) for n in ("a", "b")} for k, v in adapter.items()}
+    return adapter, m["name"]
+
+
 def load_release(release_dir, dtype: str = "float32"):
     """(Backbone with the release's adapter merged, Calibration or None, manifest). The base named in
     the manifest must hash to the manifest's weights hash; files are checked against their sha256."""
@@ -270,13 +333,7 @@ def load_release(release_dir, dtype: str = "float32"):
 
     release_dir = Path(release_dir)
     manifest = read_manifest(release_dir)
-    bad = [
-        f
-        for f, h in manifest.get("files", {}).items()
-        if not (release_dir / f).is_file() or _sha256(release_dir / f) != h
-    ]
-    if bad:
-        raise CheckpointError(f"{release_dir}: files missing or changed since the release: {', '.join(bad)}")
+    check_files(release_dir, manifest)
     want = manifest["base"]
     base = run.load_base(want["model"], "float32")
     found = weights_hash(base.params)

@@ -1,4 +1,4 @@
-"""``python -m scripts.levbench`` (or ``levbench``): export | eval | fit | sweep | compare | agree.
+"""``python -m scripts.levbench`` (or ``levbench``): export | eval | fit | sweep | compare | agree | depth.
 
     levbench export --out evalsets                       # eval-data exports (test + calibration)
     levbench export --out evalsets --pipeline DATA --split calibration
@@ -8,6 +8,7 @@
     levbench sweep --out results/sweep [--url URL]
     levbench compare results/plain results/rlcd --out results/plain-vs-rlcd   # paired bootstrap B - A
     levbench agree evalsets/banking77-test.json:limit=200 --model RELEASE --out results/agree   # Mode A vs B
+    levbench depth evalsets/banking77-test.json:limit=200 --model RELEASE --out results/depth   # elastic depth
 
 A set argument is ``PATH[:limit=N][:max_options=K][:split=NAME]``; a directory means every
 eval-set file in it. Samples are fixed-seed shuffles (``--seed``), never head slices.
@@ -216,6 +217,29 @@ def cmd_agree(args) -> int:
     return 0 if passed else 1
 
 
+def cmd_depth(args) -> int:
+    from lev_jax.bench import depth
+
+    specs = _expand_sets(args.sets, args.limit)
+    engine = _load_engine(args, args.calibration)
+    if args.threshold is not None:
+        engine.depth_threshold = args.threshold
+    try:
+        depth.run(
+            engine,
+            [s.load(args.seed) for s in specs],
+            args.out,
+            timing_items=args.timing_items,
+            folds=args.folds,
+            seed=args.seed,
+        )
+    except ValueError as e:  # a model without exits; too few states for the folds
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print((Path(args.out) / "depth.md").read_text(encoding="utf-8"))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="levbench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -303,6 +327,17 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(g)
     common(g)
     g.set_defaults(fn=cmd_agree)
+
+    d = sub.add_parser("depth", help="elastic depth: every exit and depth policy, with verdicts (in-process)")
+    d.add_argument("sets", nargs="+")
+    d.add_argument("--out", required=True)
+    d.add_argument("--calibration", default="auto", help="auto | none | PATH")
+    d.add_argument("--folds", type=int, default=5, help="the controller's out-of-fold folds (by state)")
+    d.add_argument("--timing-items", type=int, default=30, help="items timed per depth (0: no timing)")
+    d.add_argument("--threshold", type=float, default=None, help="depth=auto's threshold for the timing")
+    _engine_args(d)
+    common(d)
+    d.set_defaults(fn=cmd_depth)
     return ap
 
 

@@ -307,8 +307,14 @@ def stage_adapter(release_dir, cfg, backbone, like: dict) -> tuple[dict, str]:
     """(the release's adapter as this run's trainable adapter tree, the release's name): checked
     (`check_stage_source`), on the base whose weights hash the manifest names, and shaped exactly like
     `like` (the run's fresh adapter: the same kernels, the same rank)."""
+    from lev_jax import models
+    from lev_jax.training import run
+
     m = check_stage_source(release_dir, cfg)
-    found = weights_hash(backbone.params)
+    params = backbone.params
+    if models.params_dtype(params) != "float32":  # the manifest hashes the fp32 base (a bf16 load rounds it)
+        params = run.load_base(cfg.model, "float32").params
+    found = weights_hash(params)
     if found != m["base"]["weights_sha256"]:
         raise CheckpointError(
             f"--from-release {release_dir} was released for base weights {m['base']['weights_sha256'][:16]}..., "

@@ -1,0 +1,233 @@
+"""`levbench depth`: elastic depth on held-out sets -- every exit and every depth policy, with the
+statistics that say which of them hold (issue 14's report).
+
+    levbench depth evalsets/banking77-test.json:limit=200 --model RELEASE_WITH_EXITS --out results/depth
+
+1. Every question of every item is read at every depth the model serves (`engine.predict(depth=d)`):
+   per exit, one probability row per question (the same rows any policy picks from).
+2. Policies map each question to a depth: every fixed exit; the confidence threshold (the serving
+   `depth="auto"`, at several thresholds); the depth controller at several cost weights lambda; the
+   best static mixture of two fixed exits at the controller's mean cost; the oracle (the cheapest
+   exit that is right: an unattainable bound).
+3. Controller protocol: its features are read at the first exit (top probability, margin, entropy,
+   log options, log prompt tokens); it is evaluated out of fold only -- items are dealt into
+   `--folds` folds by state (all questions about one state in one fold), and each fold's depths come
+   from a controller fitted on the other folds' outcomes (`elastic.controller.cross_fit`).
+4. Per policy: accuracy, ECE, mean depth (layers run by a vertical cascade that continues the first
+   exit: no layer twice), and ms per decision on the serving path, where a question read again at a
+   deeper exit pays for that exit's read too (each exit's ms measured on a warm engine with cold
+   prefix caches, `--timing-items` items).
+5. Verdicts on paired bootstraps clustered by state (2,000 resamples): each policy non-inferior to
+   full depth (lower bound of the accuracy difference > -0.02 and cheaper in layers), and the
+   controller beating the static mixture at its cost (lower bound > 0). "not shown" is a result too.
+
+Writes depth.json and depth.md; prints the Markdown. Exits 2 for a model without exits.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from lev_jax import metrics
+from lev_jax.bench.evalset import answer_row, gold_index
+from lev_jax.elastic import controller as ctl
+from lev_jax.elastic import policy
+
+THRESHOLDS = (0.5, 0.7, 0.8, 0.9, 0.95)
+LAMBDAS = (0.05, 0.1, 0.2, 0.4)
+FOLDS = 5
+
+
+def read_every_depth(engine, sets, progress=None) -> dict:
+    """Per question (flattened over sets and items): its row at every depth, gold, state cluster,
+    option count and prompt tokens."""
+    depths = engine.depths
+    rows = {d: [] for d in depths}
+    gold, clusters, options, tokens, tasks = [], [], [], [], []
+    for es in sets:
+        for i, item in enumerate(es.items):
+            qs = {n: q for n, q in es.questions_for(item).items() if item["labels"].get(n) is not None}
+            if not qs:
+                continue
+            answers = {d: engine.predict(item["state"], qs, depth=d) for d in depths}
+            counts = engine.plan(item["state"], qs).token_counts()
+            for name, q in qs.items():
+                for d in depths:
+                    rows[d].append(answer_row(q, answers[d][name]))
+                gold.append(gold_index(q, item["labels"][name]))
+                clusters.append(f"{es.task}:{i}")
+                options.append(len(rows[depths[0]][-1]))
+                tokens.append(counts["input_tokens"] / len(qs))
+                tasks.append(es.task)
+            if progress:
+                progress(es.task, i + 1, len(es.items))
+    return {
+        "depths": list(depths),
+        "rows": rows,
+        "gold": np.asarray(gold),
+        "clusters": clusters,
+        "options": np.asarray(options),
+        "tokens": np.asarray(tokens),
+        "tasks": tasks,
+    }
+
+
+def time_depths(engine, sets, n_items: int) -> dict:
+    """ms per decision at each depth, and decisions/s at depth "full" and "auto", on the first
+    `n_items` items (already compiled by `read_every_depth`; every prefix cache emptied first, so each
+    state is computed as a new request's would be)."""
+    items = [(item["state"], es.questions_for(item)) for es in sets for item in es.items][:n_items]
+    n_q = sum(len(q) for _, q in items)
+
+    def run(depth) -> float:
+        for ex in engine.executors.values():
+            ex.prefixes.clear()
+        t0 = time.perf_counter()
+        for state, qs in items:
+            engine.predict(state, qs, depth=depth)
+        return time.perf_counter() - t0
+
+    ms = {d: 1000 * run(d) / n_q for d in engine.depths}
+    full_s, auto_s = run("full"), run("auto")
+    return {
+        "items": len(items),
+        "questions": n_q,
+        "ms_per_decision": ms,
+        "decisions_per_s": {"full": n_q / full_s, "auto": n_q / auto_s},
+    }
+
+
+def serving_ms(chosen: np.ndarray, ms: dict, visits: Sequence[Sequence[int]] | None = None) -> float:
+    """Mean ms per decision on the serving path: the sum of each exit a question was read at."""
+    if visits is None:
+        return float(np.mean([ms[int(d)] for d in chosen]))
+    return float(np.mean([sum(ms[int(d)] for d in v) for v in visits]))
+
+
+def evaluate(data: dict, ms: dict | None, *, thresholds=THRESHOLDS, lams=LAMBDAS, folds=FOLDS, seed=0) -> dict:
+    """Every policy's metrics and verdicts over `read_every_depth`'s data (`ms`: measured ms per
+    decision per depth, or None)."""
+    depths, rows, gold, clusters = data["depths"], data["rows"], data["gold"], data["clusters"]
+    full, first = depths[-1], depths[0]
+    layers = {d: float(d) for d in depths}
+    records = []
+
+    def add(name, chosen, visits=None, **extra):
+        sel = policy.select(rows, chosen)
+        records.append(
+            {
+                "policy": name,
+                "chosen": np.asarray(chosen),
+                "rows": sel,
+                "accuracy": metrics.accuracy(sel, gold),
+                "ece": metrics.ece(sel, gold),
+                "mean_depth": policy.cascade_cost(np.asarray(chosen), layers),
+                "ms_per_decision": None if ms is None else serving_ms(np.asarray(chosen), ms, visits),
+                **extra,
+            }
+        )
+
+    for d in depths:
+        add(f"fixed {d}", policy.fixed(rows, d))
+    for t in thresholds:
+        chosen = policy.threshold(rows, t)
+        add(f"threshold {t:g}", chosen, visits=[[x for x in depths if x <= c] for c in chosen])
+    feats = ctl.probe_features(rows[first], data["options"], data["tokens"])
+    correct = ctl.outcomes(rows, gold)
+    oof = ctl.cross_fit(feats, correct, layers, clusters, lams, k=folds, seed=seed)
+    for lam in lams:
+        chosen = oof[lam]
+        add(f"controller lambda={lam:g}", chosen, visits=[[first] + ([int(c)] if c != first else []) for c in chosen])
+        target = policy.cascade_cost(chosen, layers)
+        mix = policy.static_mixture(rows, layers, gold, target, seed=seed)
+        add(f"static mixture at controller lambda={lam:g}", mix["chosen"], mixture=[mix["i"], mix["j"], mix["w"]])
+    add("oracle (bound)", policy.oracle(rows, gold))
+
+    by_name = {r["policy"]: r for r in records}
+    full_rec = by_name[f"fixed {full}"]
+    for r in records:
+        if r is full_rec or r["policy"].startswith("oracle"):
+            r["vs_full"] = None
+            continue
+        r["vs_full"] = policy.verdict(
+            r["rows"],
+            full_rec["rows"],
+            gold,
+            clusters,
+            kind="non-inferior",
+            cost_policy=r["mean_depth"],
+            cost_other=full_rec["mean_depth"],
+            seed=seed,
+        )
+    for lam in lams:
+        c, m = by_name[f"controller lambda={lam:g}"], by_name[f"static mixture at controller lambda={lam:g}"]
+        c["vs_mixture"] = policy.verdict(c["rows"], m["rows"], gold, clusters, kind="beats", seed=seed)
+    return {
+        "depths": depths,
+        "questions": len(gold),
+        "states": len(set(clusters)),
+        "folds": folds,
+        "policies": [{k: v for k, v in r.items() if k not in ("chosen", "rows")} for r in records],
+    }
+
+
+def markdown(report: dict) -> str:
+    def f(x, nd=3):
+        return "-" if x is None else f"{x:.{nd}f}"
+
+    def v(x):
+        return "-" if x is None else ("**yes**" if x["holds"] else "not shown") + f" ({x['why']})"
+
+    lines = [
+        f"Depths {report['depths']}; {report['questions']} questions about {report['states']} states; "
+        f"controller out of fold ({report['folds']} folds by state).",
+        "",
+        "| policy | accuracy | ECE | mean depth | ms/decision (serving) | non-inferior to full "
+        "| beats static mixture |",
+        "|---|---:|---:|---:|---:|---|---|",
+    ]
+    for r in report["policies"]:
+        lines.append(
+            f"| {r['policy']} | {f(r['accuracy'])} | {f(r['ece'])} | {f(r['mean_depth'], 1)} | "
+            f"{f(r['ms_per_decision'], 1)} | {v(r.get('vs_full'))} | {v(r.get('vs_mixture'))} |"
+        )
+    t = report.get("timing")
+    if t:
+        lines += [
+            "",
+            f"Serving throughput on {t['items']} items ({t['questions']} decisions), cold prefix caches: "
+            f"{t['decisions_per_s']['full']:.2f} decisions/s at depth full, "
+            f"{t['decisions_per_s']['auto']:.2f} at auto (threshold {report['auto_threshold']:g}); "
+            "ms per decision per exit: " + ", ".join(f"{d}: {m:.1f}" for d, m in t["ms_per_decision"].items()) + ".",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def run(engine, sets, out_dir, *, timing_items: int = 30, folds=FOLDS, seed: int = 0, progress=None) -> dict:
+    """Read, time, evaluate; write depth.json and depth.md to `out_dir`; the report. ValueError for a
+    model without exits."""
+    if len(engine.depths) < 2:
+        raise ValueError(f"{engine.model_name} has no exits (depths {list(engine.depths)}): train them first")
+    data = read_every_depth(engine, sets, progress)
+    timing = time_depths(engine, sets, timing_items) if timing_items else None
+    report = evaluate(data, None if timing is None else timing["ms_per_decision"], folds=folds, seed=seed)
+    report |= {"model": engine.model_name, "auto_threshold": engine.depth_threshold, "timing": timing}
+    report["tasks"] = sorted(set(data["tasks"]))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "depth.json").write_text(json.dumps(report, indent=1, default=_json) + "\n", encoding="utf-8")
+    (out / "depth.md").write_text(markdown(report), encoding="utf-8")
+    return report
+
+
+def _json(x):
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    raise TypeError(type(x).__name__)

@@ -18,7 +18,7 @@ TEAMS = {"Billing": "money", "Shipping": "parcels", "Sales": "buying"}
 WORDS = "charged twice refund parcel late box buy seats upgrade invoice card lost".split()
 
 
-def eval_set(n=12, seed=0):
+def eval_set(n=8, seed=0):
     rng = np.random.default_rng(seed)
     questions = {
         "team": {"type": "choice", "instructions": "Which team?", "criteria": TEAMS},
@@ -39,7 +39,7 @@ def report(tmp_path_factory):
     engine = lev_jax.Engine(with_exits(testing.tiny_backbone("llama", seed=4, layers=4), (1, 2, 3)))
     es = eval_set()
     out = tmp_path_factory.mktemp("depth")
-    rep = depth.run(engine, [es], out, timing_items=3, folds=3)
+    rep = depth.run(engine, [es], out, timing_items=2, folds=3)
     return engine, es, out, rep
 
 

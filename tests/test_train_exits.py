@@ -14,6 +14,19 @@ from tests.test_train_run import FAST, REPO, _env, _progress, _restore, _same_ch
 CHOICES = ["--set", "readouts=choice"]  # every batch a choice: every step has rows to read
 
 
+def make_release(run, out):
+    """`python -m train release --run RUN --out OUT`, which must succeed."""
+    p = subprocess.run(
+        [sys.executable, "-m", "train", "release", "--run", str(run), "--out", str(out)],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+
+
 @pytest.fixture(scope="module")
 def stage(tmp_path_factory):
     root = tmp_path_factory.mktemp("exits")
@@ -54,15 +67,7 @@ def test_the_exits_stage_resumes_exactly(stage, tmp_path):
 def test_a_release_carries_the_exits(stage):
     root, plain, run, _ = stage
     out = root / "release"
-    p = subprocess.run(
-        [sys.executable, "-m", "train", "release", "--run", str(run), "--out", str(out)],
-        cwd=REPO,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    make_release(run, out)
     manifest = json.loads((out / "lev_release.json").read_text())
     assert manifest["exits"]["depths"] == [1, 2, 3] and (out / manifest["exits"]["adapters"]).is_file()
     from lev_jax.training import release
@@ -79,15 +84,7 @@ def test_an_exits_run_starts_from_a_release(stage):
     the adapter comes in bit for bit and stays so; a release that does not fit is one line, exit 2."""
     root, plain, _, _ = stage
     rel = root / "plain-release"
-    p = subprocess.run(
-        [sys.executable, "-m", "train", "release", "--run", str(plain), "--out", str(rel)],
-        cwd=REPO,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    make_release(plain, rel)
     run = root / "from-release"
     args = ["--from-release", str(rel), "--set", "exits=default", "--set", "train_adapter=false", *CHOICES]
     q = train(run, *args, "--steps", "2", "--checkpoint-every", "2", *FAST)

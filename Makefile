@@ -35,5 +35,11 @@ lint: install-test
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 
+# The suite runs on every core in parallel (pytest-xdist), one test file per worker at a time
+# (--dist loadfile: a file's module fixtures -- a saved tiny checkpoint, a server process -- are built
+# once). All workers share the session's compilation cache (tests/conftest.py sets it before they
+# start). `make test WORKERS=0` runs it in one process.
+WORKERS ?= auto
+
 test: install-test $(if $(filter 1,$(LINT)),lint)
-	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile) $(PYTEST_ARGS)

@@ -192,7 +192,8 @@ class Engine:
         calls). `reader` (default: the executor's fast path; full-depth plans only) maps
         [(prefix_ids, rows)] to label logits; `reference=True` reads every row with an independent
         forward of the model at its depth; `calibration` defaults to the engine's. Each usage's
-        `depths` says, per question, the depth that answered it."""
+        `depths` says, per question, the depth that answered it (models with exits only: without
+        exits every answer is the full model's, and the usage stays as it always was)."""
         if programs.guard():  # a long-lived process must not run out of memory-map entries (programs.py)
             self.compiled_keys.clear()  # every program was freed: each recompiles on next use
         out: list = [None] * len(plans)
@@ -221,8 +222,9 @@ class Engine:
         keys = self.programs_at(depth, plans) if reader is None else set()
         cal = self.calibration_at(depth, calibration)
         out = readout.run(plans, reader or executor.read, usages, self.planner, cal)
-        for plan, usage in zip(plans, usages):
-            usage.depths.update({qp.qid: depth for qp in plan.questions})
+        if len(self.depths) > 1:
+            for plan, usage in zip(plans, usages):
+                usage.depths.update({qp.qid: depth for qp in plan.questions})
         images = any(getattr(p.prefix_ids, "images", ()) for p in plans)  # shapes.signature records text only
         recorded = self.on_compile is not None and not images and depth == self.backbone.depth  # full depth: warm-up's
         if recorded and not keys <= self.compiled_keys:
@@ -296,7 +298,7 @@ class Engine:
         including round-2 rows of grouped choices, "cached_input_tokens": of those, prefix tokens
         reused from an earlier request with the same state}; with images also "image_tokens" (of
         the input tokens) and "cached_image_tokens" (of those, ones whose features were cached);
-        "depths": per question, the depth that answered it."""
+        "depths" (a model with exits): per question, the depth that answered it."""
         plan = self.plan(state, questions, images, depth=depth)
         usage = readout.Usage()
         answers = self.answer([plan], [usage], calibration=calibration, reference=reference)[0]

@@ -39,7 +39,7 @@ def embedded():
 
 @pytest.fixture(autouse=True)
 def _free_compiled_programs_near_the_map_limit():
-    """The whole suite runs in one process and compiles thousands of programs; XLA:CPU maps each
+    """Each test process (one per xdist worker) compiles thousands of programs; XLA:CPU maps each
     one's code into memory regions of its own, and past vm.max_map_count the next compile crashes
     the process (lev_jax/programs.py). Free them between tests well before that."""
     yield

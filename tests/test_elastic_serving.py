@@ -130,7 +130,9 @@ def test_an_unknown_depth_is_a_clear_error_before_any_work(engine, depth):
 def test_a_model_without_exits_serves_auto_at_full_depth():
     plain = lev_jax.Engine(testing.tiny_backbone("llama", seed=4))
     answers, usage = plain.predict_with_usage(STATE, QUESTIONS, depth="auto")
-    assert usage["depths"] == {q: 2 for q in QUESTIONS} and plain.depths == (2,)
+    # every answer is the full model's: the usage stays as it always was (no "depths")
+    assert "depths" not in usage and plain.depths == (2,)
+    assert answers == plain.predict(STATE, QUESTIONS)
     with pytest.raises(RequestError, match=r"exits \(2\)"):
         plain.predict(STATE, QUESTIONS, depth=1)
 

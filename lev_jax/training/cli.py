@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 from collections.abc import Sequence
@@ -251,7 +252,10 @@ def train_main(argv: Sequence[str], out=print) -> int:
     data_dir = resolve_data(cfg, run_dir, out)
     if jax.process_index() == 0:
         run.write_config(run_dir, cfg)
-    summary = loop.train(cfg, run_dir, base, data_dir, mesh=mesh, resume=resume, from_release=from_release, out=out)
+    stager = None
+    if from_release is not None:
+        stager = functools.partial(release.stage_adapter, from_release, cfg, base)
+    summary = loop.train(cfg, run_dir, base, data_dir, mesh=mesh, resume=resume, start_adapter=stager, out=out)
     trained = summary.pop("state", None) is not None
     summary.pop("trainer", None)  # free the device copies before calibrating
     if cfg.calibrate and (trained or not (run_dir / "calibration.json").is_file()):

@@ -431,13 +431,15 @@ def train(
     *,
     mesh,
     resume: Path | None = None,
-    from_release: Path | None = None,
+    start_adapter: Callable[[dict], tuple[dict, str]] | None = None,
     out: Callable[[str], None] = print,
     warn: Callable[[str], None] | None = None,
 ) -> dict:
     """Train `cfg.steps` steps (resuming from the newest checkpoint of `run_dir`, or from `resume`),
-    checkpointing every `checkpoint_every` steps and at the end. Returns a summary. `from_release`: a
-    run with no checkpoint yet starts from that release's adapter (a rerun resumes its own checkpoints)."""
+    checkpointing every `checkpoint_every` steps and at the end. Returns a summary. `start_adapter`: a
+    run with no checkpoint yet starts from the adapter it returns, given the freshly initialised one
+    (shapes to match), with a name for the history -- the CLI's --from-release passes
+    `release.stage_adapter`; a rerun resumes its own checkpoints."""
     from lev_jax.readout import Planner
 
     warn = warn or out
@@ -468,10 +470,8 @@ def train(
     wanted = _step_of(resume)
     fresh: dict = {}  # trainable groups a stage adds to the restored state (started fresh)
     started_from = None
-    if from_release is not None and resume is None and not ckpts.steps():
-        from lev_jax.training import release
-
-        adapter, name = release.stage_adapter(from_release, cfg, backbone, parts(state["trainable"])[0])
+    if start_adapter is not None and resume is None and not ckpts.steps():
+        adapter, name = start_adapter(parts(state["trainable"])[0])
         state = {**state, "trainable": {**state["trainable"], **adapter}}
         state["opt_state"] = trainer.optimizer.init(state["trainable"])
         state = jax.device_put(state, trainer.state_shardings(state))
@@ -515,7 +515,7 @@ def train(
         ) from None
     history = checkpoint.read_history(run_dir)
     if started_from is not None:
-        out(f"starting from release {started_from}'s adapter ({from_release})")
+        out(f"starting from release {started_from}'s adapter")
         history.append({"event": "stage", "step": 0, "from_release": started_from})
     tokens_before, elapsed_before = 0, 0.0
     if restored is not None:

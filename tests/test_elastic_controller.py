@@ -81,3 +81,38 @@ def test_folds_keep_a_state_together():
     assert sorted(np.bincount(fold)) == [15, 15, 15, 15]
     with pytest.raises(ValueError, match="clusters"):
         ctl.folds_by_cluster(np.arange(3), 5)
+
+
+def test_a_pooled_state_tells_the_controller_what_the_first_exit_cannot():
+    """The first exit's answer is equally unsure on every item; only the pooled hidden state (one
+    direction of 48, under noise) says which items are easy. With it the controller sends easy items
+    shallow and hard ones deep; without it, it cannot tell them apart."""
+    rng = np.random.default_rng(4)
+    n_states, per = 200, 3
+    n = n_states * per
+    easy = rng.random(n) < 0.5
+    gold = np.zeros(n, int)
+    exit_rows = {
+        1: [[0.9, 0.1] if e else [0.1, 0.9] for e in easy],  # right on easy items only ...
+        4: [[0.9, 0.1] for _ in easy],
+    }
+    flat = ctl.probe_features([[0.9, 0.1]] * n)  # ... and looks the same on every item
+    direction = rng.normal(size=48)
+    pooled = rng.normal(size=(n, 48)) * 0.3 + np.outer(np.where(easy, 2.0, -2.0), direction / np.linalg.norm(direction))
+    clusters = np.repeat(np.arange(n_states), per)
+    costs = {1: 1.0, 4: 4.0}
+    correct = ctl.outcomes(exit_rows, gold)
+    seen = ctl.cross_fit(flat, correct, costs, clusters, lams=[0.2], pooled=pooled, pooled_dims=4)[0.2]
+    assert np.mean(seen[easy] == 1) > 0.9 and np.mean(seen[~easy] == 4) > 0.9
+    blind = ctl.cross_fit(flat, correct, costs, clusters, lams=[0.2])[0.2]
+    assert len(set(blind.tolist())) == 1  # one depth for everything
+
+
+def test_the_projection_keeps_the_widest_directions_of_its_training_rows():
+    rng = np.random.default_rng(0)
+    h = rng.normal(size=(300, 10)) * np.array([5.0, 3.0] + [0.1] * 8) + 7.0
+    proj = ctl.Projection.fit(h, dims=2)
+    np.testing.assert_allclose(np.abs(proj.components[:, :2]), np.eye(2), atol=0.05)
+    z = proj(h)
+    assert z.shape == (300, 2) and abs(z.mean()) < 1e-9
+    np.testing.assert_allclose(z.std(axis=0), [5.0, 3.0], rtol=0.15)

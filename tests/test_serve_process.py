@@ -96,7 +96,11 @@ def test_the_default_server_answers_the_sdk(setup):
 
     manifest = json.loads((DEFAULT_RELEASE / "lev_release.json").read_text())
     with ServerProcess(
-        ["--warmup-budget", "0"], env=setup["env"], log_path=setup["root"] / "default.log", startup_timeout=300
+        # its first request compiles the 135M model cold, beside another test worker: not a latency test
+        ["--warmup-budget", "0", "--timeout", "600"],
+        env=setup["env"],
+        log_path=setup["root"] / "default.log",
+        startup_timeout=300,
     ) as server:
         health = httpx.get(server.url + "/health").json()
         models = httpx.get(server.url + "/v1/models").json()

@@ -14,17 +14,18 @@ from tests.test_train_run import FAST, REPO, _env, _progress, _restore, _same_ch
 CHOICES = ["--set", "readouts=choice"]  # every batch a choice: every step has rows to read
 
 
-def make_release(run, out):
-    """`python -m train release --run RUN --out OUT`, which must succeed."""
+def make_release(run, out, *more, check=True):
+    """`python -m train release --run RUN --out OUT [more]`, which must succeed (`check`)."""
     p = subprocess.run(
-        [sys.executable, "-m", "train", "release", "--run", str(run), "--out", str(out)],
+        [sys.executable, "-m", "train", "release", "--run", str(run), "--out", str(out), *more],
         cwd=REPO,
         env=_env(),
         capture_output=True,
         text=True,
         timeout=600,
     )
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert not check or p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    return p
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +66,34 @@ def test_the_exits_stage_resumes_exactly(stage, tmp_path):
 
 
 def test_a_release_carries_the_exits(stage):
+    """... with their held-out quality when given a `levbench depth` report of the checkpoint
+    (`--depth-eval`): in the manifest, the card and /health; a report of other exits is refused."""
+    import lev_jax
+    from lev_jax.bench import depth
+    from tests.test_bench_depth import eval_set
+
     root, plain, run, _ = stage
+    report = depth.run(
+        lev_jax.load(str(run), dtype="float32"), [eval_set(n=6)], root / "depth", timing_items=2, folds=3
+    )
     out = root / "release"
-    make_release(run, out)
+    make_release(run, out, "--depth-eval", str(root / "depth"))
     manifest = json.loads((out / "lev_release.json").read_text())
     assert manifest["exits"]["depths"] == [1, 2, 3] and (out / manifest["exits"]["adapters"]).is_file()
+    fixed = {p["policy"]: p for p in report["policies"]}
+    quality = manifest["exits"]["metrics"]
+    assert [q["depth"] for q in quality] == [1, 2, 3, 4]
+    for q in quality:
+        assert q["accuracy"] == fixed[f"fixed {q['depth']}"]["accuracy"] and q["n"] == report["questions"]
+    assert lev_jax.load(str(out)).info()["depth"]["quality"] == quality
+    assert "Held-out per depth" in (out / "README.md").read_text() and (out / "eval" / "depth.md").is_file()
+    other = json.loads((root / "depth" / "depth.json").read_text()) | {"depths": [2, 4]}
+    (root / "depth-other").mkdir()
+    (root / "depth-other" / "depth.json").write_text(json.dumps(other))
+    (root / "depth-other" / "depth.md").write_text("")
+    bad = make_release(run, root / "bad-release", "--depth-eval", str(root / "depth-other"), check=False)
+    assert bad.returncode == 2 and "its exits are [2, 4], this run's [1, 2, 3]" in bad.stderr
+    assert not (root / "bad-release").exists()
     from lev_jax.training import release
 
     bb, _, _ = release.load_release(out)

@@ -10,9 +10,11 @@ statistics that say which of them hold (issue 14's report).
    best static mixture of two fixed exits at the controller's mean cost; the oracle (the cheapest
    exit that is right: an unattainable bound).
 3. Controller protocol: its features are read at the first exit (top probability, margin, entropy,
-   log options, log prompt tokens); it is evaluated out of fold only -- items are dealt into
-   `--folds` folds by state (all questions about one state in one fold), and each fold's depths come
-   from a controller fitted on the other folds' outcomes (`elastic.controller.cross_fit`).
+   log options, log prompt tokens, and the state's hidden state there, mean-pooled over its tokens
+   and projected on its top principal components); it is evaluated out of fold only -- items are
+   dealt into `--folds` folds by state (all questions about one state in one fold), and each fold's
+   depths come from a controller fitted on the other folds' outcomes, its projection fitted on their
+   states too (`elastic.controller.cross_fit`).
 4. Per policy: accuracy, ECE, mean depth (layers run by a vertical cascade that continues the first
    exit: no layer twice), and ms per decision on the serving path, where a question read again at a
    deeper exit pays for that exit's read too (each exit's ms measured on a warm engine with cold
@@ -33,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lev_jax import metrics
+from lev_jax import buckets, metrics
 from lev_jax.bench.evalset import answer_row, gold_index
 from lev_jax.elastic import controller as ctl
 from lev_jax.elastic import policy
@@ -43,19 +45,35 @@ LAMBDAS = (0.05, 0.1, 0.2, 0.4)
 FOLDS = 5
 
 
+def pooled_state(backbone, prefix_ids) -> np.ndarray | None:
+    """[E] the mean over the state's tokens of `backbone`'s final-normed hidden state (an exit view:
+    the state read at that exit); None for a state with images. Padded on the right to a prefix
+    bucket (causal: the padding changes no earlier position), so lengths share programs."""
+    if getattr(prefix_ids, "images", ()):
+        return None
+    ids = list(prefix_ids)
+    n = buckets.fit(len(ids), buckets.PREFIX[1:], "state tokens")
+    tokens = np.asarray([ids + [ids[-1]] * (n - len(ids))], np.int32)
+    hidden = np.asarray(backbone.hidden_at(tokens, np.arange(n, dtype=np.int32)[None]), np.float64)
+    return hidden[0, : len(ids)].mean(axis=0)
+
+
 def read_every_depth(engine, sets, progress=None) -> dict:
     """Per question (flattened over sets and items): its row at every depth, gold, state cluster,
-    option count and prompt tokens."""
+    option count, prompt tokens and the state's pooled hidden state at the first exit."""
     depths = engine.depths
     rows = {d: [] for d in depths}
-    gold, clusters, options, tokens, tasks = [], [], [], [], []
+    gold, clusters, options, tokens, tasks, pooled = [], [], [], [], [], []
+    first = engine.backbone.at_depth(depths[0])
     for es in sets:
         for i, item in enumerate(es.items):
             qs = {n: q for n, q in es.questions_for(item).items() if item["labels"].get(n) is not None}
             if not qs:
                 continue
             answers = {d: engine.predict(item["state"], qs, depth=d) for d in depths}
-            counts = engine.plan(item["state"], qs).token_counts()
+            plan = engine.plan(item["state"], qs)
+            counts = plan.token_counts()
+            state_vec = pooled_state(first, plan.prefix_ids)
             for name, q in qs.items():
                 for d in depths:
                     rows[d].append(answer_row(q, answers[d][name]))
@@ -64,6 +82,7 @@ def read_every_depth(engine, sets, progress=None) -> dict:
                 options.append(len(rows[depths[0]][-1]))
                 tokens.append(counts["input_tokens"] / len(qs))
                 tasks.append(es.task)
+                pooled.append(state_vec)
             if progress:
                 progress(es.task, i + 1, len(es.items))
     return {
@@ -74,6 +93,7 @@ def read_every_depth(engine, sets, progress=None) -> dict:
         "options": np.asarray(options),
         "tokens": np.asarray(tokens),
         "tasks": tasks,
+        "pooled": None if any(v is None for v in pooled) or not pooled else np.stack(pooled),
     }
 
 
@@ -139,7 +159,7 @@ def evaluate(data: dict, ms: dict | None, *, thresholds=THRESHOLDS, lams=LAMBDAS
         add(f"threshold {t:g}", chosen, visits=[[x for x in depths if x <= c] for c in chosen])
     feats = ctl.probe_features(rows[first], data["options"], data["tokens"])
     correct = ctl.outcomes(rows, gold)
-    oof = ctl.cross_fit(feats, correct, layers, clusters, lams, k=folds, seed=seed)
+    oof = ctl.cross_fit(feats, correct, layers, clusters, lams, k=folds, seed=seed, pooled=data.get("pooled"))
     for lam in lams:
         chosen = oof[lam]
         add(f"controller lambda={lam:g}", chosen, visits=[[first] + ([int(c)] if c != first else []) for c in chosen])
@@ -172,6 +192,12 @@ def evaluate(data: dict, ms: dict | None, *, thresholds=THRESHOLDS, lams=LAMBDAS
         "questions": len(gold),
         "states": len(set(clusters)),
         "folds": folds,
+        "controller_features": ["top probability", "margin", "entropy", "log options", "log prompt tokens"]
+        + (
+            [f"pooled state at the first exit (top {ctl.POOLED_DIMS} principal components)"]
+            if data.get("pooled") is not None
+            else []
+        ),
         "policies": [{k: v for k, v in r.items() if k not in ("chosen", "rows")} for r in records],
     }
 
@@ -185,7 +211,8 @@ def markdown(report: dict) -> str:
 
     lines = [
         f"Depths {report['depths']}; {report['questions']} questions about {report['states']} states; "
-        f"controller out of fold ({report['folds']} folds by state).",
+        f"controller out of fold ({report['folds']} folds by state; features: "
+        f"{', '.join(report.get('controller_features', []))}).",
         "",
         "| policy | accuracy | ECE | mean depth | ms/decision (serving) | non-inferior to full "
         "| beats static mixture |",

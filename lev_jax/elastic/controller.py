@@ -19,6 +19,7 @@ from lev_jax import metrics
 
 RIDGE = 1.0  # L2 on the weights (not the bias), in units of the standardised features
 NEWTON_STEPS = 25
+POOLED_DIMS = 8  # principal components of the pooled hidden state the controller sees
 
 
 def probe_features(first_rows: Sequence, option_counts=None, prompt_tokens=None, pooled=None) -> np.ndarray:
@@ -105,6 +106,25 @@ def folds_by_cluster(clusters: Sequence, k: int, seed: int = 0) -> np.ndarray:
     return np.array([fold_of[c] for c in cl.tolist()])
 
 
+@dataclasses.dataclass(frozen=True)
+class Projection:
+    """The top principal components of pooled hidden states (fitted on training rows only): a
+    576- or 4096-wide state is too many features for a few thousand outcomes."""
+
+    mean: np.ndarray
+    components: np.ndarray  # [dims, H]
+
+    @classmethod
+    def fit(cls, pooled, dims: int = POOLED_DIMS) -> Projection:
+        h = np.asarray(pooled, float)
+        mean = h.mean(axis=0)
+        _, _, vt = np.linalg.svd(h - mean, full_matrices=False)
+        return cls(mean, vt[: min(dims, len(vt))])
+
+    def __call__(self, pooled) -> np.ndarray:
+        return (np.asarray(pooled, float) - self.mean) @ self.components.T
+
+
 def cross_fit(
     features,
     correct: Mapping[int, Sequence[bool]],
@@ -114,16 +134,24 @@ def cross_fit(
     k: int = 5,
     seed: int = 0,
     ridge: float = RIDGE,
+    pooled=None,
+    pooled_dims: int = POOLED_DIMS,
 ) -> dict[float, np.ndarray]:
-    """{lam: [N] out-of-fold choices}: each fold's items chosen by a controller fitted on the others."""
+    """{lam: [N] out-of-fold choices}: each fold's items chosen by a controller fitted on the others.
+    `pooled` [N, H]: a pooled hidden state per item, projected on principal components fitted on the
+    training folds (never on the held-out fold) and joined to the features."""
     x = np.asarray(features, float)
     fold = folds_by_cluster(clusters, k, seed)
     out = {lam: np.zeros(len(x), int) for lam in lams}
     for f in range(k):
         held, train = fold == f, fold != f
-        ctl = Controller.fit(x[train], {d: np.asarray(c)[train] for d, c in correct.items()}, costs, ridge)
+        xf = x
+        if pooled is not None:
+            proj = Projection.fit(np.asarray(pooled)[train], pooled_dims)
+            xf = np.concatenate([x, proj(pooled)], axis=1)
+        ctl = Controller.fit(xf[train], {d: np.asarray(c)[train] for d, c in correct.items()}, costs, ridge)
         for lam in lams:
-            out[lam][held] = ctl.choose(x[held], lam)
+            out[lam][held] = ctl.choose(xf[held], lam)
     return out
 
 

@@ -88,6 +88,62 @@ def _eval_summary(eval_dir: Path | None) -> list[dict]:
     return out
 
 
+def _depth_summary(depth_dir: Path | None, depths: list[int] | None) -> tuple[list[dict], str] | None:
+    """(per depth: held-out n, accuracy, ECE, ms per decision -- the fixed-exit rows of a `levbench
+    depth` report --, the report's Markdown) or None; CheckpointError if the report is unreadable or
+    was made for other exits."""
+    if depth_dir is None:
+        return None
+    if depths is None:
+        raise CheckpointError(f"--depth-eval {depth_dir}: this run trained no exits")
+    try:
+        doc = json.loads((depth_dir / "depth.json").read_text(encoding="utf-8"))
+        md = (depth_dir / "depth.md").read_text(encoding="utf-8")
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"--depth-eval {depth_dir}: no readable levbench depth report ({e})") from None
+    if [int(d) for d in doc.get("depths", [])][:-1] != depths:
+        raise CheckpointError(f"--depth-eval {depth_dir}: its exits are {doc.get('depths')}, this run's {depths}")
+    fixed = {r["policy"]: r for r in doc.get("policies", [])}
+    rows = []
+    for d in doc["depths"]:
+        r = fixed.get(f"fixed {d}") or {}
+        rows.append(
+            {
+                "depth": int(d),
+                "n": doc.get("questions"),
+                "tasks": doc.get("tasks", []),
+                **{k: r.get(k) for k in ("accuracy", "ece", "ms_per_decision")},
+            }
+        )
+    return rows, md
+
+
+def _exits_card(exits: dict | None) -> list[str]:
+    """The card's lines on elastic depth: the exits and, where measured, their held-out quality."""
+    if not exits:
+        return []
+    lines = [
+        f"Elastic depth: exit adapters (`{exits['adapters']}`) at layers {exits['depths']}; a request reads at "
+        "an exit with the `x-lev-depth` header (or `predict(depth=...)`), `auto` stops at the first sure exit.",
+        "",
+    ]
+    rows = exits.get("metrics")
+    if rows:
+        f = lambda x, nd=3: "-" if x is None else f"{x:.{nd}f}"  # noqa: E731
+        lines += [
+            f"Held-out per depth ({rows[0]['n']} questions; {', '.join(rows[0]['tasks'])}; `levbench depth`, "
+            f"the full report in `{EVAL_DIR}/depth.md`):",
+            "",
+            "| depth | accuracy | ECE | ms/decision |",
+            "|---:|---:|---:|---:|",
+            *(f"| {r['depth']} | {f(r['accuracy'])} | {f(r['ece'])} | {f(r['ms_per_decision'], 1)} |" for r in rows),
+            "",
+        ]
+    else:
+        lines += ["No held-out evaluation of the exits was given (`--depth-eval`): none is claimed.", ""]
+    return lines
+
+
 def _card(manifest: dict) -> str:
     base, train = manifest["base"], manifest["training"]
     lines = [
@@ -108,6 +164,7 @@ def _card(manifest: dict) -> str:
             if manifest.get("mode_b")
             else []
         ),
+        *_exits_card(manifest.get("exits")),
         "Serve it: `python -m serve --checkpoint THIS_DIR` or `lev_jax.load('THIS_DIR')`. It is also a peft "
         "adapter directory: `PeftModel.from_pretrained(base_model, 'THIS_DIR')`.",
         "",
@@ -160,20 +217,25 @@ def _data_sources(data_dir: Path) -> list[dict]:
     ]
 
 
-def make(run_dir, out_dir, *, step: int | None = None, eval_dir=None) -> Path:
+def make(run_dir, out_dir, *, step: int | None = None, eval_dir=None, depth_dir=None) -> Path:
     """Write the release of `run_dir`'s checkpoint `step` (default: the newest readable) to `out_dir`
-    (which must not exist yet). Returns `out_dir`."""
+    (which must not exist yet). Returns `out_dir`. `eval_dir`: a levbench eval directory (held-out
+    metrics); `depth_dir`: a `levbench depth` report of this checkpoint's exits (per-exit held-out
+    quality, served in /health)."""
     from lev_jax.training import run
     from lev_jax.training.loop import fingerprint, same_base
 
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     eval_dir = None if eval_dir is None else Path(eval_dir)
+    depth_dir = None if depth_dir is None else Path(depth_dir)
     if out_dir.exists():
         raise CheckpointError(f"{out_dir} exists; a release goes to a new directory")
     cfg = run.read_config(run_dir)
     if cfg.full_finetune:
         raise CheckpointError(f"{run_dir} is a full fine-tune (lora_rank 0): it releases no adapter")
     got_step, trainable, ck_meta = run.load_checkpoint(run_dir, step)
+    exits_trained = trainable.get(exits_lib.EXITS_KEY)
+    depth_eval = _depth_summary(depth_dir, None if exits_trained is None else sorted(map(int, exits_trained)))
     base = run.load_base(cfg.model, "float32")
     if not same_base(ck_meta.get("base", {}), fingerprint(cfg, base)):
         raise CheckpointError(f"{run_dir}: its checkpoint belongs to another base model than {cfg.model!r}")
@@ -211,6 +273,9 @@ def make(run_dir, out_dir, *, step: int | None = None, eval_dir=None) -> Path:
                 # the summary the machine's paths; the manifest carries the metrics)
                 if f.is_file() and f.suffix in (".png", ".md"):
                     shutil.copy2(f, tmp / EVAL_DIR / f.name)
+        if depth_eval is not None:
+            (tmp / EVAL_DIR).mkdir(exist_ok=True)
+            (tmp / EVAL_DIR / "depth.md").write_text(depth_eval[1], encoding="utf-8")
         files = {
             p.relative_to(tmp).as_posix(): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file() and p.name != CARD
         }
@@ -236,7 +301,13 @@ def make(run_dir, out_dir, *, step: int | None = None, eval_dir=None) -> Path:
             },
             "engine": {k: getattr(cfg, k) for k in run.ENGINE_KEYS},
             "mode_b": None if head is None else {"head": HEAD_FILE, "min_options": cfg.mode_b_min_options},
-            "exits": None if exits is None else {"adapters": EXITS_FILE, "depths": sorted(map(int, exits))},
+            "exits": None
+            if exits is None
+            else {
+                "adapters": EXITS_FILE,
+                "depths": sorted(map(int, exits)),
+                "metrics": None if depth_eval is None else depth_eval[0],
+            },
             "calibration": CALIBRATION_FILE if calibrated else None,
             "metrics": tasks,
             "files": files,

@@ -89,5 +89,6 @@ def test_a_model_without_exits_is_refused(tmp_path, capsys):
     es_path = eval_set(n=4).save(tmp_path / "tiny-depth.json")
     model = testing.save_tiny_checkpoint(tmp_path / "tiny")
     args = ["depth", str(es_path), "--model", str(model), "--out", str(tmp_path / "out"), "--no-progress"]
+    args += ["--calibration", "none"]  # read as "no calibration", not as a file named none
     assert bench_cli.main(args) == 2
     assert "has no exits" in capsys.readouterr().err

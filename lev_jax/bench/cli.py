@@ -207,7 +207,7 @@ def cmd_agree(args) -> int:
     from lev_jax.bench import agree
 
     specs = _expand_sets(args.sets, args.limit)
-    engine = _load_engine(args, args.calibration)
+    engine = _load_engine(args, _calibration_arg(args.calibration))
     try:
         _, passed = agree.run(engine, [s.load(args.seed) for s in specs], args.out, min_agreement=args.min_agreement)
     except ValueError as e:  # a model without a head
@@ -221,7 +221,7 @@ def cmd_depth(args) -> int:
     from lev_jax.bench import depth
 
     specs = _expand_sets(args.sets, args.limit)
-    engine = _load_engine(args, args.calibration)
+    engine = _load_engine(args, _calibration_arg(args.calibration))
     if args.threshold is not None:
         engine.depth_threshold = args.threshold
     try:

@@ -92,7 +92,10 @@ def test_a_release_carries_the_exits(stage):
     (root / "depth-other" / "depth.json").write_text(json.dumps(other))
     (root / "depth-other" / "depth.md").write_text("")
     bad = make_release(run, root / "bad-release", "--depth-eval", str(root / "depth-other"), check=False)
-    assert bad.returncode == 2 and "its exits are [2, 4], this run's [1, 2, 3]" in bad.stderr
+    assert bad.returncode == 2 and "its exits are [2], this run's [1, 2, 3]" in bad.stderr
+    (root / "depth-other" / "depth.json").write_text(json.dumps(other | {"depths": [1, 2, 3, 4], "model": "another"}))
+    bad = make_release(run, root / "bad-release", "--depth-eval", str(root / "depth-other"), check=False)
+    assert bad.returncode == 2 and "a report of 'another'" in bad.stderr
     assert not (root / "bad-release").exists()
     from lev_jax.training import release
 

@@ -88,10 +88,10 @@ def _eval_summary(eval_dir: Path | None) -> list[dict]:
     return out
 
 
-def _depth_summary(depth_dir: Path | None, depths: list[int] | None) -> tuple[list[dict], str] | None:
+def _depth_summary(depth_dir: Path | None, depths: list[int] | None, name: str) -> tuple[list[dict], str] | None:
     """(per depth: held-out n, accuracy, ECE, ms per decision -- the fixed-exit rows of a `levbench
     depth` report --, the report's Markdown) or None; CheckpointError if the report is unreadable or
-    was made for other exits."""
+    was made for another model (`name`: the release's) or other exits."""
     if depth_dir is None:
         return None
     if depths is None:
@@ -102,7 +102,11 @@ def _depth_summary(depth_dir: Path | None, depths: list[int] | None) -> tuple[li
     except (OSError, ValueError) as e:
         raise CheckpointError(f"--depth-eval {depth_dir}: no readable levbench depth report ({e})") from None
     if [int(d) for d in doc.get("depths", [])][:-1] != depths:
-        raise CheckpointError(f"--depth-eval {depth_dir}: its exits are {doc.get('depths')}, this run's {depths}")
+        raise CheckpointError(
+            f"--depth-eval {depth_dir}: its exits are {doc.get('depths', [])[:-1]}, this run's {depths}"
+        )
+    if doc.get("model") != name:
+        raise CheckpointError(f"--depth-eval {depth_dir}: a report of {doc.get('model')!r}, not of {name!r}")
     fixed = {r["policy"]: r for r in doc.get("policies", [])}
     rows = []
     for d in doc["depths"]:
@@ -234,13 +238,13 @@ def make(run_dir, out_dir, *, step: int | None = None, eval_dir=None, depth_dir=
     if cfg.full_finetune:
         raise CheckpointError(f"{run_dir} is a full fine-tune (lora_rank 0): it releases no adapter")
     got_step, trainable, ck_meta = run.load_checkpoint(run_dir, step)
-    exits_trained = trainable.get(exits_lib.EXITS_KEY)
-    depth_eval = _depth_summary(depth_dir, None if exits_trained is None else sorted(map(int, exits_trained)))
     base = run.load_base(cfg.model, "float32")
     if not same_base(ck_meta.get("base", {}), fingerprint(cfg, base)):
         raise CheckpointError(f"{run_dir}: its checkpoint belongs to another base model than {cfg.model!r}")
     tasks = _eval_summary(eval_dir)
     name = run.model_name(base.name, cfg, got_step)
+    exits_trained = trainable.get(exits_lib.EXITS_KEY)
+    depth_eval = _depth_summary(depth_dir, None if exits_trained is None else sorted(map(int, exits_trained)), name)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))

@@ -133,7 +133,7 @@ def _exits_card(exits: dict | None) -> list[str]:
     ]
     rows = exits.get("metrics")
     if rows:
-        f = lambda x, nd=3: "-" if x is None else f"{x:.{nd}f}"  # noqa: E731
+        f = lambda x, nd=3: "-" if x is None else f"{x:.{nd}f}"
         lines += [
             f"Held-out per depth ({rows[0]['n']} questions; {', '.join(rows[0]['tasks'])}; `levbench depth`, "
             f"the full report in `{EVAL_DIR}/depth.md`):",

@@ -139,3 +139,33 @@ def test_plan_sizes_presets_and_refuses_without_headroom(capsys):
     assert "TOO MUCH" in captured.out
     assert len(captured.err.strip().splitlines()) == 1 and "--set remat=full" in captured.err
     assert cli.main(["plan", "--preset", "tiny", "--accelerator", "cpu"]) == 0
+
+
+def test_plan_counts_mode_b_marked_rows_the_head_and_their_attention(tmp_path):
+    """With Mode B the plan reads the build's questions and routes them as the trainer does: a routed
+    choice adds its marked row (its options and their markers in one row: tokens, and attention scores
+    quadratic in its length) and the head joins the trainable tree; a head-only stage runs no backward
+    through the backbone. (It once sized a Mode B stage of the embedded model at 2.5 GiB: it was killed
+    at 22.7 GiB.)"""
+    from lev_jax.data.build import read_split
+    from lev_jax.readout import modeb
+    from lev_jax.training import config, plan, recipes
+
+    base = config.resolve("tiny")
+    data = tmp_path / "data"
+    recipes.build(base, data)
+    choices = sum(r["readout"] == "choice" and len(r["question"]["criteria"]) >= 3 for r in read_split(data, "train"))
+    assert choices > 0
+    a = plan.estimate(base, data_dir=data)
+    b = plan.estimate(config.resolve("tiny", {"mode_b": True, "mode_b_min_options": 3}), data_dir=data)
+    assert f"{choices:,} routed to Mode B" in b.data and "routed" not in a.data
+    assert b.tokens_per_example > a.tokens_per_example and b.flops > a.flops
+    E = plan.model_config(base)[0].hidden_size
+    assert b.trainable - a.trainable == E * modeb.HEAD_WIDTH + 2 * modeb.HEAD_WIDTH + 1
+    assert b.memory["activations"] > a.memory["activations"]
+    head_only = config.resolve("tiny", {"mode_b": True, "mode_b_min_options": 3, "train_adapter": False})
+    c = plan.estimate(head_only, data_dir=data)
+    assert c.flops < b.flops and c.memory["activations"] < b.memory["activations"]
+    # nothing routes above the choices' size: the plan is the Mode A one
+    d = plan.estimate(config.resolve("tiny", {"mode_b": True, "mode_b_min_options": 200}), data_dir=data)
+    assert "0 routed" in d.data and d.tokens_per_example == a.tokens_per_example

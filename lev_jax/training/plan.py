@@ -12,7 +12,12 @@
 * hours   - FLOPs / (peak x an assumed utilisation) of the accelerator;
 * memory  - per device: the frozen weights (compute dtype) and the trainable tree, its gradient and
             Adam's two moments (fp32), sharded over fsdp x tensor, plus activations for this device's
-            share of a step's tokens under the remat policy.
+            share of a step's tokens under the remat policy, and the attention scores of its rows
+            (fp32, quadratic in a row's length: what a batch of long rows runs out of memory on).
+* Mode B  - with `mode_b` the build's records are read to route each choice as the trainer does
+            (`readout.route`): a routed choice trains its marked row (every option and its marker in
+            one row, the state with it) besides, or with the adapter frozen instead of, its Mode A rows;
+            the head joins the trainable tree.
 
 A preset whose memory estimate exceeds 90 % of the device refuses, naming the knob to turn.
 """
@@ -34,6 +39,11 @@ HEADROOM = 0.9
 TEMPLATE_TOKENS = 40  # chat template + question scaffolding per row, beyond the data's own length
 CODE_TOKENS = 2  # per option or level: its code and ") "
 NOMINAL_ROW_TOKENS = 300
+MARKED_OPTION_TOKENS = 4  # per option of a Mode B row: its marker and line punctuation (3-4 on SmolLM2)
+# fp32 [heads, T, T] arrays an attention layer keeps per row: its scores and probabilities for the
+# backward and one temporary (on this CPU a step of 8 marked rows of ~1,400 tokens, remat "none", was
+# killed at 22.7 GiB; with two copies this plan said 15 GiB)
+ATTENTION_COPIES = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,22 +206,67 @@ def _counts(cfg: TrainConfig, mcfg) -> tuple[int, int]:
     return params, int(sum(cfg.lora_rank * (flat[p].shape[0] + flat[p].shape[1]) for p in paths))
 
 
-def data_tokens(cfg: TrainConfig, data_dir: Path | None) -> tuple[float, int, str]:
-    """(mean tokens per training example, train examples, description)."""
+@dataclasses.dataclass(frozen=True)
+class DataTokens:
+    per_example: float  # mean real tokens an example puts through the model
+    examples: int
+    long_row: float  # the 90th percentile of an example's longest row that holds its question
+    rows: float  # mean rows per example that hold their question (their attention is quadratic in it)
+    description: str
+
+
+def _option_counts(data_dir: Path, keep: np.ndarray) -> np.ndarray:
+    """Options of each kept train record's question (0 for scores and nouls)."""
+    from lev_jax.data.build import read_split
+
+    records = read_split(data_dir, "train")
+    counts = [len(r["question"].get("criteria") or ()) if r["readout"] == "choice" else 0 for r in records]
+    return np.asarray(counts, np.float64)[keep]
+
+
+def data_tokens(cfg: TrainConfig, data_dir: Path | None) -> DataTokens:
+    """Tokens per training example of the build in `data_dir` (nominal rows without one). With
+    `cfg.mode_b`, choices the router sends to Mode B by size (at least `mode_b_min_options` options;
+    the tokenizer's code count, the router's other reason, is not known without loading it) add their
+    marked row: the question, the state and every option with its marker in one row; their Mode A
+    rows stay only where they train (`mode_b_joint` and the adapter trained)."""
     rows_of = {
         "choice": 2 if cfg.option_averaging else 1,
         "score": 1,
         "noul_rating": 2 if (cfg.noul_readout == "binary" and cfg.option_averaging) else 1,
     }
     if data_dir is None:
-        return 2 * NOMINAL_ROW_TOKENS, 0, f"no data build (nominal {NOMINAL_ROW_TOKENS} tokens per row)"
+        nominal = f"no data build (nominal {NOMINAL_ROW_TOKENS} tokens per row)"
+        return DataTokens(2 * NOMINAL_ROW_TOKENS, 0, NOMINAL_ROW_TOKENS, 2, nominal)
     index = json.loads((Path(data_dir) / "train.index.json").read_text())
     ro = np.asarray(index["readout"])
     lengths = np.asarray(index["length"], np.float64)
     keep = np.isin(ro, list(cfg.readouts)) if cfg.readouts else np.ones(len(ro), bool)
     per = np.array([rows_of.get(r, 2) for r in ro[keep]], np.float64)
-    tokens = (lengths[keep] + TEMPLATE_TOKENS) * per  # the data length includes the options' own words
-    return float(tokens.mean()), int(keep.sum()), f"{data_dir}: {int(keep.sum()):,} train examples"
+    row = lengths[keep] + TEMPLATE_TOKENS  # the data length includes the options' own words
+    a_rows, b_rows = per, np.zeros_like(per)
+    marked = row  # a marked row: the same words, plus each option's marker and line
+    note = ""
+    if cfg.mode_b:
+        n = _option_counts(Path(data_dir), keep)
+        routed = n >= cfg.mode_b_min_options
+        b_rows, marked = routed.astype(np.float64), row + MARKED_OPTION_TOKENS * n
+        if not (cfg.mode_b_joint and cfg.train_adapter):
+            a_rows = np.where(routed, 0.0, per)
+        note = f", {int(routed.sum()):,} routed to Mode B"
+    tokens = row * a_rows + marked * b_rows
+    # with the schema first and one question per batch, a Mode A row is the state after the shared
+    # question: short next to the rows that carry the options, whose attention is counted
+    if cfg.layout == "schema_first" and cfg.group_by_question:
+        a_rows = np.zeros_like(a_rows)
+    longest = np.where(b_rows > 0, marked, np.where(a_rows > 0, row, 0.0))
+    return DataTokens(
+        float(tokens.mean()),
+        int(keep.sum()),
+        float(np.percentile(longest, 90)),
+        float((a_rows + b_rows).mean()),
+        f"{data_dir}: {int(keep.sum()):,} train examples{note}",
+    )
 
 
 def estimate(cfg: TrainConfig, *, data_dir: Path | None = None, devices: int | None = None) -> Estimate:
@@ -220,7 +275,12 @@ def estimate(cfg: TrainConfig, *, data_dir: Path | None = None, devices: int | N
     acc = ACCELERATORS[cfg.accelerator]
     mcfg, shapes = model_config(cfg)
     params, trainable = _counts(cfg, mcfg)
-    per_example, n_examples, data = data_tokens(cfg, data_dir)
+    if cfg.mode_b:
+        from lev_jax.readout import modeb
+
+        trainable += int(mcfg.hidden_size) * modeb.HEAD_WIDTH + 2 * modeb.HEAD_WIDTH + 1
+    dt = data_tokens(cfg, data_dir)
+    per_example = dt.per_example
     devices = devices or (1 if not cfg.mesh else math.prod(_mesh_sizes(cfg.mesh).values()))
     sizes = mesh_lib.parse(cfg.mesh, devices)
     examples = cfg.steps * cfg.batch_size
@@ -229,6 +289,8 @@ def estimate(cfg: TrainConfig, *, data_dir: Path | None = None, devices: int | N
     L = mcfg.num_hidden_layers
     # layers under `lora_layers` run forward only: no gradient flows below the lowest adapted layer
     trained = min(cfg.lora_layers, L) / L if (cfg.lora_layers and not cfg.full_finetune) else 1.0
+    if not cfg.train_adapter:  # a heads-only stage (Mode B head, exits): no gradient enters the backbone
+        trained = 0.0
     backward = 2 if cfg.full_finetune else 1  # input gradients (+ weight gradients when they train)
     passes = 1 + (backward + (1 if cfg.remat == "full" else 0)) * trained
     flops = passes * mcfg.flops_per_token(context) * tokens
@@ -242,7 +304,16 @@ def estimate(cfg: TrainConfig, *, data_dir: Path | None = None, devices: int | N
     step_tokens = cfg.batch_size * per_example / batch_split
     per_token_layer = {"none": 4 * (12 * E + 3 * F), "dots": 4 * (6 * E + 2 * F), "full": 4 * E}[cfg.remat]
     one_layer = 4 * (12 * E + 3 * F) * step_tokens  # the layer being recomputed
-    activations = step_tokens * per_token_layer * L * trained + one_layer
+    # an attention layer keeps its fp32 scores and probabilities for the backward: heads x T x T per
+    # row, T the step's long rows (a prefix is shared, so a row's own length bounds it from below)
+    attention_layers = sum(k == "full_attention" for k in getattr(mcfg, "layer_types", ())) or L
+    from lev_jax.training.batches import LENGTHS
+
+    step_rows = cfg.batch_size * dt.rows / batch_split
+    padded = LENGTHS[min(int(np.searchsorted(LENGTHS, dt.long_row)), len(LENGTHS) - 1)]  # the step's shape
+    scores = ATTENTION_COPIES * 4 * mcfg.num_attention_heads * padded**2 * step_rows
+    kept = {"none": attention_layers * trained, "dots": attention_layers * trained, "full": 1}[cfg.remat]
+    activations = step_tokens * per_token_layer * L * trained + one_layer + scores * kept
     memory = {"weights": weights, "optimiser": optimiser, "activations": activations}
     return Estimate(
         cfg,
@@ -252,13 +323,13 @@ def estimate(cfg: TrainConfig, *, data_dir: Path | None = None, devices: int | N
         shapes,
         params,
         trainable,
-        n_examples,
+        dt.examples,
         per_example,
         tokens,
         flops,
         hours,
         memory,
-        data,
+        dt.description,
     )
 
 

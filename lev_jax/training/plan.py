@@ -14,8 +14,8 @@
             Adam's two moments (fp32), sharded over fsdp x tensor, plus activations for this device's
             share of a step's tokens under the remat policy, and the attention scores of its rows
             (fp32, quadratic in a row's length: what a batch of long rows runs out of memory on).
-* Mode B  - with `mode_b` the build's records are read to route each choice as the trainer does
-            (`readout.route`): a routed choice trains its marked row (every option and its marker in
+* Mode B  - with `mode_b` the build's records are read to route each choice by its size, as the
+            router does (`mode_b_min_options`): a routed choice trains its marked row (every option and its marker in
             one row, the state with it) besides, or with the adapter frozen instead of, its Mode A rows;
             the head joins the trainable tree.
 
@@ -271,6 +271,7 @@ def data_tokens(cfg: TrainConfig, data_dir: Path | None) -> DataTokens:
 
 def estimate(cfg: TrainConfig, *, data_dir: Path | None = None, devices: int | None = None) -> Estimate:
     from lev_jax.training import mesh as mesh_lib
+    from lev_jax.training.batches import LENGTHS
 
     acc = ACCELERATORS[cfg.accelerator]
     mcfg, shapes = model_config(cfg)
@@ -307,8 +308,6 @@ def estimate(cfg: TrainConfig, *, data_dir: Path | None = None, devices: int | N
     # an attention layer keeps its fp32 scores and probabilities for the backward: heads x T x T per
     # row, T the step's long rows (a prefix is shared, so a row's own length bounds it from below)
     attention_layers = sum(k == "full_attention" for k in getattr(mcfg, "layer_types", ())) or L
-    from lev_jax.training.batches import LENGTHS
-
     step_rows = cfg.batch_size * dt.rows / batch_split
     padded = LENGTHS[min(int(np.searchsorted(LENGTHS, dt.long_row)), len(LENGTHS) - 1)]  # the step's shape
     scores = ATTENTION_COPIES * 4 * mcfg.num_attention_heads * padded**2 * step_rows

@@ -169,3 +169,22 @@ def test_plan_counts_mode_b_marked_rows_the_head_and_their_attention(tmp_path):
     # nothing routes above the choices' size: the plan is the Mode A one
     d = plan.estimate(config.resolve("tiny", {"mode_b": True, "mode_b_min_options": 200}), data_dir=data)
     assert "0 routed" in d.data and d.tokens_per_example == a.tokens_per_example
+
+
+def test_training_warns_before_it_starts_when_the_plan_exceeds_the_device(tmp_path, monkeypatch):
+    """`python -m train` prints the plan's refusal as one warning line before the first step (a process
+    past the host's memory is killed without a word in its log), and nothing when the plan fits."""
+    import dataclasses
+
+    from lev_jax.training import config, plan, recipes
+
+    cfg = config.resolve("tiny", {"mode_b": True, "mode_b_min_options": 3})
+    data = tmp_path / "data"
+    recipes.build(cfg, data)
+    lines = []
+    cli.warn_if_too_big(cfg, data, lines.append)
+    assert lines == []
+    small = dataclasses.replace(plan.ACCELERATORS["cpu"], memory=1e6)
+    monkeypatch.setitem(plan.ACCELERATORS, "cpu", small)
+    cli.warn_if_too_big(cfg, data, lines.append)
+    assert len(lines) == 1 and lines[0].startswith("warning: preset 'tiny' needs") and "--set " in lines[0]

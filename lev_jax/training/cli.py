@@ -221,6 +221,20 @@ def resolve_config(args, run_dir: Path):
     return config.resolve(args.preset, over)
 
 
+def warn_if_too_big(cfg, data_dir: Path, out) -> None:
+    """One warning line before training when `train plan`'s estimate exceeds the device: a process
+    past the host's memory is killed by the kernel without a word in the run's log. A warning, not a
+    refusal: the estimate is a model of the step, and the run may still fit."""
+    from lev_jax.training import plan
+
+    try:
+        estimate = plan.estimate(cfg, data_dir=data_dir)
+    except (ValueError, KeyError, OSError):  # a model or build the plan cannot size: no warning, no harm
+        return
+    if not estimate.fits:
+        out(f"warning: {estimate.refusal} (python -m train plan sizes it)")
+
+
 def train_main(argv: Sequence[str], out=print) -> int:
     args = _train_parser().parse_args(argv)
     run_dir = Path(args.out)
@@ -250,6 +264,7 @@ def train_main(argv: Sequence[str], out=print) -> int:
         if moved is not None:
             out(f"--fresh: moved the previous run's checkpoints, history and calibration to {moved}")
     data_dir = resolve_data(cfg, run_dir, out)
+    warn_if_too_big(cfg, data_dir, out)
     if jax.process_index() == 0:
         run.write_config(run_dir, cfg)
     stager = None

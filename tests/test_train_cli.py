@@ -171,7 +171,7 @@ def test_plan_counts_mode_b_marked_rows_the_head_and_their_attention(tmp_path):
     assert "0 routed" in d.data and d.tokens_per_example == a.tokens_per_example
 
 
-def test_training_warns_before_it_starts_when_the_plan_exceeds_the_device(tmp_path, monkeypatch):
+def test_training_warns_before_it_starts_when_the_plan_exceeds_the_device(tmp_path, monkeypatch, capsys):
     """`python -m train` prints the plan's refusal as one warning line before the first step (a process
     past the host's memory is killed without a word in its log), and nothing when the plan fits."""
     import dataclasses
@@ -186,5 +186,10 @@ def test_training_warns_before_it_starts_when_the_plan_exceeds_the_device(tmp_pa
     assert lines == []
     small = dataclasses.replace(plan.ACCELERATORS["cpu"], memory=1e6)
     monkeypatch.setitem(plan.ACCELERATORS, "cpu", small)
-    cli.warn_if_too_big(cfg, data, lines.append)
-    assert len(lines) == 1 and lines[0].startswith("warning: preset 'tiny' needs") and "--set " in lines[0]
+    # a run whose every example is over max_tokens stops at its first batch, after the warning
+    # (the warning is printed where the data is ready, before the trainer exists)
+    run = ["--preset", "tiny", "--out", str(tmp_path / "run"), "--set", f"data={data}", "--set", "max_tokens=16"]
+    assert cli.main(run) == 2
+    captured = capsys.readouterr()
+    warned = [line for line in captured.out.splitlines() if line.startswith("warning: preset 'tiny' needs")]
+    assert len(warned) == 1 and "--set " in warned[0] and "max_tokens" in captured.err

@@ -135,8 +135,12 @@ class Dense(nnx.Module):
     The adapter slots are None unless a graph is built with them (`models.graph(..., lora=...)`)."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = False, dtype, rngs: nnx.Rngs):
-        init = nnx.initializers.lecun_normal()
-        self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), dtype))
+        # Zeros, not a draw from `rngs`: every model's weights come from a checkpoint or from
+        # models.random_params, which draws its own. A draw here is not free: models.graph builds
+        # the model under nnx.eval_shape, where each draw's bookkeeping costs JAX a walk over the
+        # whole trace so far (quadratic in the layer count: seconds per config of a 30-layer model).
+        del rngs
+        self.kernel = nnx.Param(jnp.zeros((in_features, out_features), dtype))
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
         self.lora_a = nnx.data(None)  # data slots (not static): add_lora fills them with Params
         self.lora_b = nnx.data(None)

@@ -128,15 +128,20 @@ class Backbone:
         mm = _multimodal_args(embeds, embeds_mask, positions)
         return _logits(self.params, tokens, valid, self.config, *mm)
 
-    def hidden_at(self, token_ids_BT, readout_BR, *, embeds=None, embeds_mask=None, positions=None):
+    def hidden_at(
+        self, token_ids_BT, readout_BR, attention_mask_BT=None, *, embeds=None, embeds_mask=None, positions=None
+    ):
         """Final-normed hidden states [B, R, E] at `readout_BR` of whole sequences (one forward, no
-        cache): what a Mode B head reads, for verification."""
+        cache; padding as in `logits`): what a Mode B head reads, for verification."""
         tokens = jnp.asarray(np.asarray(token_ids_BT, dtype=np.int32))
+        valid = jnp.ones(tokens.shape, bool) if attention_mask_BT is None else jnp.asarray(attention_mask_BT, bool)
+        if valid.shape != tokens.shape:
+            raise ValueError(f"attention_mask shape {valid.shape} != token_ids shape {tokens.shape}")
         mm = _multimodal_args(embeds, embeds_mask, positions)
         hidden, _ = _extend(
             self.params,
             tokens,
-            jnp.ones(tokens.shape, bool),
+            valid,
             jnp.asarray(readout_BR, jnp.int32),
             None,
             self.config,

@@ -33,6 +33,10 @@ SUFFIX = geometric(8, 32768, 8)
 # falls on a fraction of the row
 TAIL = geometric(32, PREFILL_CHUNK, 2)
 ROWS = geometric(1, 512, 2)
+# the verification path (one independent full forward per row, `reference=True`) pads each sequence on
+# the right to a power of two: causal, so the padding cannot reach the row's tokens, and verifying a
+# request's many rows of different lengths then compiles a handful of programs, not one per length
+REFERENCE = geometric(32, 1 << 20, 1)
 CODES = (2, 9, 32, 128, 704)
 # rows x suffix bucket per call; more rows are split across calls of near-equal size
 ROW_TOKENS_PER_CALL = {"cpu": 1024}

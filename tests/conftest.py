@@ -17,13 +17,6 @@ if "LEV_JAX_CACHE" not in os.environ:
     os.environ["LEV_JAX_CACHE"] = _SESSION_CACHE = tempfile.mkdtemp(prefix="lev_jax_test_xla_")
     atexit.register(shutil.rmtree, _SESSION_CACHE, ignore_errors=True)
 os.environ.setdefault("LEV_JAX_DTYPE", "float32")
-# XLA:CPU's LLVM backend at -O0 for the suite's programs (and its server and trainer subprocesses,
-# which inherit the variable): the suite is compile-bound -- thousands of programs, most run a few
-# times -- and -O0 compiles them ~1.5x faster (a tiny train step 12 s -> 8 s, the embedded model's
-# forward 6 s -> 4 s) for kernels up to ~2x slower. The math is the same (fast-math is off at every
-# level); only fp32 rounding may differ, by far less than any tolerance here. No test measures speed.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 import lev_jax  # noqa: E402
 from lev_jax import programs, runtime  # noqa: E402

@@ -311,7 +311,9 @@ class Executor:
         return out
 
     def read_reference(self, entries, usages) -> list[list[np.ndarray]]:
-        """One independent full forward per row: no shared prefix, no bucketing (verification)."""
+        """One independent full forward per row (verification): no shared prefix, no cache, no
+        batching; a text row is padded on the right to a `buckets.REFERENCE` length, which no token
+        of it can see (a sequence with images runs at its own length)."""
         out = []
         for (prefix_ids, rows), usage in zip(entries, usages):
             usage.processed += sum(len(prefix_ids) + len(r.tokens) for r in rows)
@@ -323,12 +325,17 @@ class Executor:
                 if images:  # the whole sequence in one call: image features and positions included
                     embeds, mask, positions, _ = self.backbone.vision.prefix_inputs(ids, images, len(ids))
                     mm = {"embeds": embeds, "embeds_mask": mask, "positions": positions}
+                tokens, valid = [ids], None
+                if not mm:
+                    tokens, valid = logits_lib.pack_prefixes(
+                        [ids], 1, buckets.fit(len(ids), buckets.REFERENCE, "a row")
+                    )
                 if r.markers is not None:  # Mode B: the head over the hidden states at the markers
                     at = np.asarray([[len(prefix_ids) + m for m in r.markers]], np.int32)
-                    hidden = self.backbone.hidden_at([ids], at, **mm)
+                    hidden = self.backbone.hidden_at(tokens, at, attention_mask_BT=valid, **mm)
                     per.append(np.asarray(modeb.head_scores(self.backbone.mode_b_head, hidden))[0])
                     continue
-                logits = np.asarray(self.backbone.logits([ids], **mm))[0, -1]
+                logits = np.asarray(self.backbone.logits(tokens, valid, **mm))[0, len(ids) - 1]
                 per.append(logits[r.label_ids])
             out.append(per)
         return out

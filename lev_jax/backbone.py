@@ -122,9 +122,7 @@ class Backbone:
         tokens = jnp.asarray(np.asarray(token_ids_BT, dtype=np.int32))
         if tokens.ndim == 1:
             tokens = tokens[None]
-        valid = jnp.ones(tokens.shape, bool) if attention_mask_BT is None else jnp.asarray(attention_mask_BT, bool)
-        if valid.shape != tokens.shape:
-            raise ValueError(f"attention_mask shape {valid.shape} != token_ids shape {tokens.shape}")
+        valid = _attention_mask(tokens, attention_mask_BT)
         mm = _multimodal_args(embeds, embeds_mask, positions)
         return _logits(self.params, tokens, valid, self.config, *mm)
 
@@ -134,9 +132,7 @@ class Backbone:
         """Final-normed hidden states [B, R, E] at `readout_BR` of whole sequences (one forward, no
         cache; padding as in `logits`): what a Mode B head reads, for verification."""
         tokens = jnp.asarray(np.asarray(token_ids_BT, dtype=np.int32))
-        valid = jnp.ones(tokens.shape, bool) if attention_mask_BT is None else jnp.asarray(attention_mask_BT, bool)
-        if valid.shape != tokens.shape:
-            raise ValueError(f"attention_mask shape {valid.shape} != token_ids shape {tokens.shape}")
+        valid = _attention_mask(tokens, attention_mask_BT)
         mm = _multimodal_args(embeds, embeds_mask, positions)
         hidden, _ = _extend(
             self.params,
@@ -223,6 +219,14 @@ class Backbone:
     def head(self, hidden, token_ids=None):
         ids = None if token_ids is None else jnp.asarray(np.asarray(token_ids, np.int32))
         return _head(self.params, hidden, ids, self.config)
+
+
+def _attention_mask(tokens, attention_mask_BT):
+    """The [B, T] validity mask of a whole-sequence call (all valid when none is given)."""
+    valid = jnp.ones(tokens.shape, bool) if attention_mask_BT is None else jnp.asarray(attention_mask_BT, bool)
+    if valid.shape != tokens.shape:
+        raise ValueError(f"attention_mask shape {valid.shape} != token_ids shape {tokens.shape}")
+    return valid
 
 
 def _multimodal_args(embeds, embeds_mask, positions) -> tuple:

@@ -1,7 +1,7 @@
 """Cold start of a fresh server process: time to ready, then the first requests' latency.
 
     python -m scripts.bench_cold_start [--scenarios cold,warmup,cache-first,cache-second]
-                                       [--model PATH] [--dtype float32] [--json OUT] [--markdown]
+                                       [--model PATH] [--dtype auto] [--json OUT] [--markdown]
 
 For each scenario this starts `python -m serve --host 127.0.0.1 --port P ...` (a free loopback port, a
 fresh API key in $LEV_API_KEYS, no JAX compilation-cache variables inherited), polls GET /health every
@@ -239,12 +239,13 @@ def table(results: dict[str, dict]) -> str:
 def markdown(report: dict) -> str:
     results = report["results"]
     lines = [
-        "| scenario | server flags | up s | ready s | first request s | second request s |",
-        "|---|---|---:|---:|---:|---:|",
+        "| scenario | server flags | dtype in use | up s | ready s | first request s | second request s |",
+        "|---|---|---|---:|---:|---:|---:|",
     ]
     for name, r in results.items():
         lines.append(
-            f"| {name} | `{' '.join(r.get('flags', [])) or '(defaults)'}` | {_cell(r.get('up_s'))} | "
+            f"| {name} | `{' '.join(r.get('flags', [])) or '(defaults)'}` | {served_dtype(r) or '?'} | "
+            f"{_cell(r.get('up_s'))} | "
             f"{_cell(r.get('ready_s'))} | {_cell(r.get('first_request_s'), '.3f')} | "
             f"{_cell(r.get('second_request_s'), '.3f')} |"
         )
@@ -256,6 +257,12 @@ def markdown(report: dict) -> str:
 
 
 # --------------------------------------------------------------------------- the server process
+
+
+def served_dtype(result: dict) -> str | None:
+    """The dtype the server said it computes in (/health at ready): what `--dtype auto` resolved to."""
+    health = result.get("health")
+    return health.get("dtype") if isinstance(health, dict) else None
 
 
 def free_port() -> int:
@@ -399,7 +406,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--scenarios", type=parse_scenarios, default=list(SCENARIOS), help=",".join(SCENARIOS))
     p.add_argument("--model", help="--model for the server (default: the embedded SmolLM2-135M)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16"),
+        help="the server's --dtype (default auto, as `make serve`: bf16 where the CPU multiplies it natively)",
+    )
     p.add_argument("--server-arg", action="append", default=[], metavar="ARG", help="extra server argument (repeat)")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds from spawn to ready (default 900)")
     p.add_argument("--request-timeout", type=float, default=300.0, help="per-request client timeout (default 300)")
@@ -447,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             report["results"][name] = r
             print(
-                f"{name}: up {_s(r.get('up_s'))}, ready {_s(r.get('ready_s'))}, "
+                f"{name} ({served_dtype(r) or 'dtype ?'}): up {_s(r.get('up_s'))}, ready {_s(r.get('ready_s'))}, "
                 f"first request {_cell(r.get('first_request_s'), '.3f')} s, "
                 f"second request {_cell(r.get('second_request_s'), '.3f')} s"
                 + (f"\n  ERROR {r['error']}\n{r.get('log_tail', '')}" if r.get("error") else ""),

@@ -9,8 +9,14 @@ queue 1", ...), answered by `engine.predict` on the embedded SmolLM2-135M (or --
   first call  the first predict() of this question: compiles the row programs its shapes need
               (the state prefix is prefilled, and its programs compiled, once per dtype before the
               first N, and is reported on its own line)
-  warm        the median of --repeats further predict() calls (the state prefix now comes from the
-              engine's cross-request cache, so a warm call processes the question's rows only)
+  warm        the median of --repeats further predict() calls (whatever the engine's cross-request
+              prefix cache holds is reused: the state prefix with the state first; with the schema
+              first, as the shipped default reads, the question and its option list, so a warm call
+              then processes the state's tokens only: a taxonomy asked about many states)
+  new question  one predict() of another question of the same shape right after (the options say
+              "Group" where they said "Queue": the same token counts, so the same programs): nothing
+              cached helps with the schema first, so this is the cost of a question seen for the first
+              time on a warm server; the programs it compiled are counted (0 when the shapes matched)
   tokens      usage["input_tokens"] minus usage["cached_input_tokens"] of a warm call: the row tokens
               processed (round-2 rows of a grouped large choice included); the row count and lengths
               come from engine.plan(state, questions).rows
@@ -59,15 +65,16 @@ DEFAULT_NS = (2, 8, 32, 64, 128, 255)
 MAX_OPTIONS = 255  # the wire contract's choice limit
 
 
-def option_question(n: int) -> dict:
-    """One choice question with `n` options: "Queue 001": "Tickets routed to queue 1", ..."""
+def option_question(n: int, word: str = "Queue") -> dict:
+    """One choice question with `n` options: "Queue 001": "Tickets routed to queue 1", ... (`word`
+    another one-token noun for a question of the same shape that no cache has seen)."""
     if not 2 <= n <= MAX_OPTIONS:
         raise ValueError(f"a choice has 2 to {MAX_OPTIONS} options, not {n}")
     return {
         "queue": {
             "type": "choice",
             "instructions": "Which queue should this support ticket be routed to?",
-            "criteria": {f"Queue {i:03d}": f"Tickets routed to queue {i}" for i in range(1, n + 1)},
+            "criteria": {f"{word} {i:03d}": f"Tickets routed to {word.lower()} {i}" for i in range(1, n + 1)},
         }
     }
 
@@ -153,6 +160,10 @@ def measure(engine, n: int, repeats: int, state: str = STATE) -> dict:
     first_s, warm_s, samples = timed(run, repeats)
     usage = last["usage"]
     processed = usage["input_tokens"] - usage.get("cached_input_tokens", 0)
+    programs0 = engine.compiled_programs
+    t0 = time.perf_counter()
+    _, new_usage = engine.predict_with_usage(state, option_question(n, word="Group"))
+    new_s = time.perf_counter() - t0
     out = {
         "n": n,
         "rows": len(lens),
@@ -169,6 +180,9 @@ def measure(engine, n: int, repeats: int, state: str = STATE) -> dict:
         "compile_s": round(max(0.0, first_s - warm_s), 4),  # first call minus a warm one: ~compilation
         "ms_per_token": round(1e3 * warm_s / processed, 4) if processed else None,
         "choice": last["answers"]["queue"].get("choice"),
+        "new_question_s": round(new_s, 4),
+        "new_question_tokens": new_usage["input_tokens"] - new_usage.get("cached_input_tokens", 0),
+        "new_question_programs": engine.compiled_programs - programs0,
     }
     if processed > buckets.PREFIX[-1]:
         out.update(prefill_tokens=processed, prefill_bucket=None, prefill_s=None, ratio=None)
@@ -197,7 +211,9 @@ def line(r: dict) -> str:
     return (
         f"{r['dtype']:8s} N={r['n']:3d} rows={r['rows']:2d} (row tokens {r['row_tokens_min']}-{r['row_tokens_max']}, "
         f"mean {r['row_tokens_mean']}) processed {r['processed_tokens']} tok | first call {r['first_s']:.2f} s "
-        f"(compile ~{r['compile_s']:.2f} s) warm {r['warm_s']:.3f} s = {r['ms_per_token']:.3f} ms/tok | {base}"
+        f"(compile ~{r['compile_s']:.2f} s) warm {r['warm_s']:.3f} s = {r['ms_per_token']:.3f} ms/tok | "
+        f"new question {r['new_question_s']:.3f} s ({r['new_question_tokens']} tok, "
+        f"{r['new_question_programs']} programs compiled) | {base}"
     )
 
 
@@ -213,14 +229,17 @@ def markdown(report: dict) -> str:
         "number of tokens as one sequence, in the same run.",
         "",
         "| dtype | N | rows | row tokens | processed tokens | first call s | compile s | warm s | ms/token "
-        "| prefill s (equal tokens) | prefill ms/token | **row / prefill** |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| new question s (tokens, programs compiled) | prefill s (equal tokens) | prefill ms/token "
+        "| **row / prefill** |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["results"]:
         lines.append(
             f"| {r['dtype']} | {r['n']} | {r['rows']} | {r['row_tokens_min']}–{r['row_tokens_max']} | "
             f"{r['processed_tokens']} | {r['first_s']:.2f} | {r['compile_s']:.2f} | {r['warm_s']:.3f} | "
-            f"{_fmt(r['ms_per_token'], '.3f')} | {_fmt(r.get('prefill_s'), '.3f')} | "
+            f"{_fmt(r['ms_per_token'], '.3f')} | "
+            f"{_fmt(r.get('new_question_s'), '.3f')} ({r.get('new_question_tokens', '–')}, "
+            f"{r.get('new_question_programs', '–')}) | {_fmt(r.get('prefill_s'), '.3f')} | "
             f"{_fmt(r.get('prefill_ms_per_token'), '.3f')} | **{_fmt(r.get('ratio'), '.2f')}×** |"
         )
     pre = report.get("prefix_first_s") or {}

@@ -18,6 +18,8 @@ def test_option_question_has_n_named_options():
     assert len(names) == 255 and names[0] == "Queue 001" and names[-1] == "Queue 255"
     assert q["criteria"]["Queue 001"] == "Tickets routed to queue 1"
     assert list(O.option_question(2)["queue"]["criteria"]) == ["Queue 001", "Queue 002"]
+    other = O.option_question(3, word="Group")["queue"]["criteria"]
+    assert other == {f"Group 00{i}": f"Tickets routed to group {i}" for i in (1, 2, 3)}
     for bad in (1, 256):
         with pytest.raises(ValueError):
             O.option_question(bad)
@@ -76,6 +78,9 @@ def _result(n, **kw):
         "prefill_s": 0.05,
         "prefill_ms_per_token": 0.41,
         "ratio": 4.0,
+        "new_question_s": 1.5,
+        "new_question_tokens": 140,
+        "new_question_programs": 0,
     }
     r.update(kw)
     return r
@@ -92,10 +97,11 @@ def test_bench_options_markdown_and_lines():
     md = O.markdown(report)
     rows = [ln for ln in md.splitlines() if ln.startswith("| float32")]
     assert len(rows) == 2
-    assert "| 2 |" in rows[0] and "**4.00×**" in rows[0]
+    assert "| 2 |" in rows[0] and "**4.00×**" in rows[0] and "| 1.500 (140, 0) |" in rows[0]
     assert "| 255 |" in rows[1] and "**–×**" in rows[1]
     assert "row / prefill" in md and "float32 5.50 s" in md
     assert "row / prefill at equal tokens 4.00x" in O.line(_result(2))
+    assert "new question 1.500 s (140 tok, 0 programs compiled)" in O.line(_result(2))
     assert "n/a" in O.line(_result(255, prefill_s=None))
 
 
@@ -114,6 +120,8 @@ def test_bench_options_end_to_end_on_a_tiny_model(tmp_path, capsys, monkeypatch)
     assert r["processed_tokens"] == r["input_tokens"] - r["cached_input_tokens"] > 0
     assert r["prefill_tokens"] == r["processed_tokens"] and r["prefill_bucket"] >= r["prefill_tokens"]
     assert r["choice"] in ("Queue 001", "Queue 002")
+    # another question of the same shape: measured, with what it compiled (a count, not a timing)
+    assert r["new_question_s"] > 0 and r["new_question_tokens"] > 0 and r["new_question_programs"] >= 0
     assert "N=  2" in capsys.readouterr().out
 
 
@@ -123,6 +131,8 @@ def test_bench_options_end_to_end_on_a_tiny_model(tmp_path, capsys, monkeypatch)
 def test_cold_start_arguments():
     a = C.build_parser().parse_args([])
     assert a.scenarios == list(C.SCENARIOS) and a.poll_interval == 0.05 and a.first_request_target == 2.0
+    assert a.dtype == "auto"  # what a new user's `make serve` computes in
+    assert C.build_parser().parse_args(["--dtype", "float32"]).dtype == "float32"
     assert C.build_parser().parse_args(["--scenarios", "cold"]).scenarios == ["cold"]
     # the second start needs the first; order and duplicates are normalised
     assert C.parse_scenarios("cache-second") == ["cache-first", "cache-second"]
@@ -208,12 +218,15 @@ def test_checks():
 
 
 def test_cold_start_table_and_markdown():
-    res = {"cold": {**_scen(12.5, 4.25, 0.75), "flags": ["--no-warmup"]}, "warmup": {**_scen(None), "error": "boom"}}
+    res = {
+        "cold": {**_scen(12.5, 4.25, 0.75), "flags": ["--no-warmup"], "health": {"dtype": "bfloat16"}},
+        "warmup": {**_scen(None), "error": "boom"},
+    }
     text = C.table(res)
     assert "cold" in text and "12.50" in text and "4.250" in text and "ERROR: boom" in text
     md = C.markdown({"results": res, "cache_second_vs_first": 0.25, "checks": [("PASS", "x")]})
-    assert "| cold | `--no-warmup` | 12.50 | 12.50 | 4.250 | 0.750 |" in md
-    assert "| warmup | `(defaults)` | – | – | – | – |" in md
+    assert "| cold | `--no-warmup` | bfloat16 | 12.50 | 12.50 | 4.250 | 0.750 |" in md
+    assert "| warmup | `(defaults)` | ? | – | – | – | – |" in md
     assert "**0.25**" in md and "- PASS: x" in md
 
 

@@ -117,8 +117,12 @@ def test_the_trained_run_answers_through_the_engine(trained):
     _, trainable, _ = run_lib.load_checkpoint(run)
     arrays, _ = batches.pack([ex])
     logits = np.asarray(jax.jit(trainer.logits)(trainable, trainer.frozen, arrays))
+    # fp32 rounding of the two paths' differently shaped calls (one packed training sequence vs prefix +
+    # row buckets) depends on the host's matmul kernels: up to ~1e-4 on an AVX-512 Xeon, where an AMD
+    # EPYC stayed below it; a row's label logits differ from each other by tenths, so a label, row or
+    # position mix-up is still far outside this tolerance
     for r, (row, want) in enumerate(zip(ex.rows, served)):
-        np.testing.assert_allclose(logits[r, : len(row.label_ids)], want, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(logits[r, : len(row.label_ids)], want, atol=5e-4, rtol=0)
 
 
 def _same_checkpoint(a: Path, b: Path):

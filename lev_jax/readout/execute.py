@@ -335,7 +335,11 @@ class Executor:
                     hidden = self.backbone.hidden_at(tokens, at, attention_mask_BT=valid, **mm)
                     per.append(np.asarray(modeb.head_scores(self.backbone.mode_b_head, hidden))[0])
                     continue
-                logits = np.asarray(self.backbone.logits(tokens, valid, **mm))[0, len(ids) - 1]
+                # the whole vocabulary's logits at the answer position only (not at every padded position),
+                # then the label tokens picked from them: independent of the fast path's label-row gather
+                at = np.asarray([[len(ids) - 1]], np.int32)
+                hidden = self.backbone.hidden_at(tokens, at, attention_mask_BT=valid, **mm)
+                logits = np.asarray(self.backbone.head(hidden))[0, 0]
                 per.append(logits[r.label_ids])
             out.append(per)
         return out

@@ -14,6 +14,7 @@ engine's own).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -22,6 +23,7 @@ from lev_jax import buckets, domain, programs, readout, runtime
 from lev_jax.backbone import Backbone, compiled_programs
 from lev_jax.calibrate import Calibration
 from lev_jax.elastic import policy
+from lev_jax.elastic import serving as elastic_serving
 from lev_jax.errors import RequestError
 from lev_jax.readout import logits as logits_lib
 from lev_jax.readout import shapes
@@ -101,6 +103,9 @@ class Engine:
         # (identity where none was fitted: the full depth's temperatures do not fit a shallower readout)
         self.executors: dict[int, readout.Executor] = {backbone.depth: self.executor}
         self.depth_threshold = float(depth_threshold)
+        # depth="auto" as a vertical cascade (elastic.serving): each deeper reading continues the
+        # shallower one's residual streams, so no layer runs twice
+        self.cascade = elastic_serving.Cascade(backbone, self.executor, prefix_cache_bytes=prefix_cache_bytes)
         self.exit_calibrations = dict(exit_calibrations or {})
         self.calibration = calibration or Calibration.identity(model_name or backbone.name)
         self.model_name = model_name or backbone.name
@@ -235,21 +240,38 @@ class Engine:
     def answer_auto(self, plan, usage, *, reader=None, calibration=None, reference=False) -> dict:
         """depth="auto": every question read at the shallowest exit, and each one whose top
         probability is below `depth_threshold` read again at the next exit, up to the full depth
-        (elastic.policy.threshold, the policy `levbench depth` evaluates). Each exit's prefix is
-        computed once per state and kept in that exit's cache; a question read again runs the
-        shallower layers again (the serving path does not yet continue a shallower exit's cache:
-        `elastic.cascade` does, one request at a time)."""
+        (elastic.policy.threshold, the policy `levbench depth` evaluates). A text request of Mode A
+        rows up to a prefill chunk reads through the vertical cascade (`elastic.serving`: a deeper
+        reading runs only the layers below the last one); others (images, Mode B rows, rows read
+        chunk by chunk, the reference path) through each exit's executor, re-running the shallower
+        layers of a question read again."""
+        cascade = reader is None and not reference and self.cascade.serves(plan)
+        trail = elastic_serving.Trail()
         answers, todo = {}, list(plan.questions)
         for depth in self.depths:
             if not todo:
                 break
             sub = dataclasses.replace(plan, questions=todo, depth=depth)
-            got = self.answer_at(depth, [sub], [usage], reader=reader, calibration=calibration, reference=reference)[0]
+            if cascade:
+                read = functools.partial(self.cascade.read, depth=depth, trail=trail)
+                got = readout.run([sub], read, [usage], self.planner, self.calibration_at(depth, calibration))[0]
+                usage.depths.update({qp.qid: depth for qp in todo})
+            else:
+                got = self.answer_at(depth, [sub], [usage], reader=reader, calibration=calibration, reference=reference)
+                got = got[0]
             last = depth == self.backbone.depth
             keep = [qp for qp in todo if not last and policy.top_probability(got[qp.qid]) < self.depth_threshold]
             answers.update({qp.qid: got[qp.qid] for qp in todo if qp not in keep})
             todo = keep
+        if cascade:
+            self.compiled_keys |= self.cascade.programs(plan, self.depths)
         return {qp.qid: answers[qp.qid] for qp in plan.questions}
+
+    def auto_programs(self, plan) -> set[tuple]:
+        """The program keys a depth="auto" plan may run (every depth it may reach)."""
+        if self.cascade.serves(plan):
+            return self.cascade.programs(plan, self.depths)
+        return set().union(*(self.programs_at(x, [plan]) for x in self.depths))
 
     def warm(self, signature: dict) -> int:
         """Run a batch of the recorded shape (made-up tokens, `readout.shapes`), compiling what it
@@ -328,12 +350,9 @@ class Engine:
         keys were all seen before compiles nothing."""
         plan = self.plan(state, questions, depth=depth)
         d = depth_of(plan, self.backbone.depth)
-        return set().union(
-            *(
-                tag(x, self.executor_at(x).programs(plan.prefix_ids, plan.rows), self.backbone.depth)
-                for x in (self.depths if d == AUTO else (d,))
-            )
-        )
+        if d == AUTO:
+            return self.auto_programs(plan)
+        return tag(d, self.executor_at(d).programs(plan.prefix_ids, plan.rows), self.backbone.depth)
 
     def programs_at(self, depth: int, plans: list[readout.RequestPlan]) -> set[tuple]:
         """The program keys reading `plans` together at one depth (tagged with the depth below the full one)."""
@@ -348,8 +367,7 @@ class Engine:
             groups.setdefault(depth_of(p, self.backbone.depth), []).append(p)
         keys: set = set()
         for d, ps in groups.items():
-            for x in self.depths if d == AUTO else (d,):
-                keys |= self.programs_at(x, ps)
+            keys |= set().union(*map(self.auto_programs, ps)) if d == AUTO else self.programs_at(d, ps)
         return keys
 
     def ready(self, requests) -> bool:
@@ -362,7 +380,7 @@ class Engine:
     @property
     def compiled_programs(self) -> int:
         """Device programs compiled so far (prefill chunks + row readouts)."""
-        return logits_lib.compiled_programs() + compiled_programs()
+        return logits_lib.compiled_programs() + compiled_programs() + elastic_serving.compiled_programs()
 
     def info(self) -> dict:
         return {

@@ -66,6 +66,7 @@ def test_every_exit_and_policy_is_reported_with_its_verdicts(report):
     # the oracle is a bound: at least as accurate as every fixed exit
     assert by["oracle (bound)"]["accuracy"] >= max(by[f"fixed {d}"]["accuracy"] for d in (1, 2, 3, 4))
     assert rep["timing"]["decisions_per_s"]["full"] > 0 and rep["timing"]["decisions_per_s"]["auto"] > 0
+    assert rep["timing"]["decisions_per_s"]["auto_every_exit"] > 0 and rep["timing"]["ms_per_visit"] >= 0
     md = (out / "depth.md").read_text()
     assert "| controller lambda=0.1 |" in md and "non-inferior to full" in md
     assert json.loads((out / "depth.json").read_text())["policies"][0]["policy"] == "fixed 1"
@@ -92,3 +93,12 @@ def test_a_model_without_exits_is_refused(tmp_path, capsys):
     args += ["--calibration", "none"]  # read as "no calibration", not as a file named none
     assert bench_cli.main(args) == 2
     assert "has no exits" in capsys.readouterr().err
+
+
+def test_serving_cost_is_the_deepest_exit_plus_each_stop_before_it():
+    """The vertical cascade runs a question's layers once: a question read at exits 1 and 2 costs
+    exit 2's ms plus one stop, not exit 1's ms and exit 2's."""
+    ms = {1: 10.0, 2: 20.0, 4: 40.0}
+    assert depth.serving_ms(np.array([1, 4]), ms) == 25.0
+    visits = [[1], [1, 2], [1, 2, 4]]
+    assert depth.serving_ms(np.array([1, 2, 4]), ms, visits, per_visit=1.5) == pytest.approx((10 + 21.5 + 43) / 3)

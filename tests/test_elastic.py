@@ -25,7 +25,12 @@ def model(request):
     # trained-looking adapters: `b` nonzero so every exit's map matters
     adapters = exits_lib.init_exits(cfg, (1, 2, 3, 4), rank=4, seed=2)
     adapters = {
-        d: {**a, "b": 0.2 * jax.random.normal(jax.random.key(int(d)), a["b"].shape), "scale": a["scale"] * 1.5}
+        d: {
+            **a,
+            "b": 0.2 * jax.random.normal(jax.random.key(int(d)), a["b"].shape),
+            "scale": a["scale"] * 1.5,
+            "gain": 1.0 + jax.random.uniform(jax.random.key(10 + int(d)), a["gain"].shape),
+        }
         for d, a in adapters.items()
     }
     return hf, cfg, params, adapters
@@ -60,9 +65,10 @@ def reference(hf, params, adapters, d, prefix, rows, valid, answer, labels):
         seq = jnp.concatenate([prefix[0], rows[b, :n]])[None]
         x, _ = models.forward(p, seq, None, cfg, final_norm=False)
         x = x[0, prefix.shape[1] + int(answer[b])]
-        if d < 4:  # the full model has no exit adapter
-            x = exits_lib.apply_exit(adapters[str(d)], x)
-        out.append(models.label_logits(p, models.final_norm(p, x, cfg)[None], labels[b : b + 1], cfg)[0])
+        h = models.final_norm(p, exits_lib.apply_exit(adapters[str(d)], x) if d < 4 else x, cfg)
+        if d < 4:  # the full model has no exit adapter; an exit's gain scales its final-normed state
+            h = h * adapters[str(d)]["gain"]
+        out.append(models.label_logits(p, h[None], labels[b : b + 1], cfg)[0])
     return np.stack(out)
 
 

@@ -12,6 +12,7 @@ import pytest
 
 import lev_jax
 from lev_jax import models, testing
+from lev_jax.elastic import serving as elastic_serving
 from lev_jax.errors import RequestError
 from lev_jax.readout import exits as exits_lib
 from lev_jax.server import ServerConfig, create_app
@@ -30,10 +31,15 @@ QUESTIONS = {
 
 
 def with_exits(bb, depths, seed=0):
-    """`bb` with trained-looking exit adapters (nonzero `b`: every exit's map matters)."""
+    """`bb` with trained-looking exit adapters (nonzero `b`, a gain off one: every part of an exit matters)."""
     adapters = exits_lib.init_exits(bb.config, depths, rank=4, seed=seed)
     bb.exits = {
-        d: {**a, "b": 0.3 * jax.random.normal(jax.random.key(int(d)), a["b"].shape), "scale": a["scale"] * 1.2}
+        d: {
+            **a,
+            "b": 0.3 * jax.random.normal(jax.random.key(int(d)), a["b"].shape),
+            "scale": a["scale"] * 1.2,
+            "gain": 0.5 + jax.random.uniform(jax.random.key(10 + int(d)), a["gain"].shape),
+        }
         for d, a in adapters.items()
     }
     return bb
@@ -73,7 +79,7 @@ def test_a_view_at_an_exit_is_the_truncated_model_plus_adapter_and_head(family):
         params = {**bb.params, "layers": {i: bb.params["layers"][i] for i in range(d)}}
         x, _ = models.forward(params, jnp.asarray(ids), None, cfg, final_norm=False)
         x = exits_lib.apply_exit(bb.exits[str(d)], x[:, -1])
-        want = models.head_logits(params, models.final_norm(params, x, cfg), cfg)
+        want = models.head_logits(params, models.final_norm(params, x, cfg) * bb.exits[str(d)]["gain"], cfg)
         got = view.logits(ids)[:, -1]
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
     assert bb.at_depth(bb.depth) is bb
@@ -119,6 +125,49 @@ def test_auto_stops_each_question_at_the_first_sure_exit(engine):
         engine.depth_threshold = lev_jax.engine.DEPTH_THRESHOLD
 
 
+def test_auto_continues_each_row_from_its_last_exit_never_running_a_layer_twice(engine, monkeypatch):
+    trails = []
+
+    class Recording(elastic_serving.Trail):
+        def __init__(self):
+            super().__init__()
+            trails.append(self)
+
+    monkeypatch.setattr(elastic_serving, "Trail", Recording)
+    full = engine.predict(STATE, QUESTIONS)
+    try:
+        engine.depth_threshold = 1.01  # no exit is sure: every question goes through every exit
+        answers, usage = engine.predict_with_usage(STATE, QUESTIONS, depth="auto")
+    finally:
+        engine.depth_threshold = lev_jax.engine.DEPTH_THRESHOLD
+    assert usage["depths"] == {q: 4 for q in QUESTIONS}
+    assert_close(answers, full)  # through the cascade, the full model's answers
+    [trail] = trails
+    calls = sorted({c for c, _, _ in trail.reads})
+    assert calls and all(c < len(trail.calls) for c in calls)
+    for c in calls:  # each call's rows ran layers [0, 1), [1, 2), [2, 3), [3, 4): each layer once
+        assert [(s, d) for k, s, d in trail.reads if k == c] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+
+
+def test_a_request_the_cascade_cannot_read_goes_through_each_exits_executor(engine):
+    plan = engine.plan(STATE, QUESTIONS, depth="auto")
+    assert elastic_serving.Cascade.serves(plan)
+    # a question whose options make its rows longer than a prefill chunk (read chunk by chunk)
+    options = {f"team {i}": f"tickets about the part of the order numbered {i} and its delivery" for i in range(24)}
+    long_q = {"team": {"type": "choice", "instructions": "Which team?", "criteria": options}}
+    plan = engine.plan(STATE, long_q, depth="auto")
+    assert any(len(r.tokens) > lev_jax.buckets.PREFILL_CHUNK for r in plan.rows)
+    assert not elastic_serving.Cascade.serves(plan)
+    at = {d: engine.predict(STATE, long_q, depth=d) for d in engine.depths}
+    try:
+        engine.depth_threshold = 1.01
+        answers, usage = engine.predict_with_usage(STATE, long_q, depth="auto")
+    finally:
+        engine.depth_threshold = lev_jax.engine.DEPTH_THRESHOLD
+    assert usage["depths"] == {"team": 4}
+    assert_close(answers, at[4])
+
+
 @pytest.mark.parametrize("depth", [0, 5, 2.5, "2.0", "deep", True])
 def test_an_unknown_depth_is_a_clear_error_before_any_work(engine, depth):
     before = engine.compiled_programs
@@ -148,11 +197,16 @@ def test_no_recompilation_in_steady_state_across_exits(engine):
             "q": {"type": "choice", "instructions": "Topic?", "criteria": dict.fromkeys(rng.choice(words, k, False))}
         }
 
-    warm = [(r, d) for r in [request() for _ in range(6)] for d in (1, 2, 3, "full")]  # each at every depth
-    for (state, qs), d in warm:
-        engine.predict(state, qs, depth=d)
+    warm = [(r, d) for r in [request() for _ in range(6)] for d in (1, 2, 3, "full", "auto")]  # each at every depth
+    try:
+        engine.depth_threshold = 1.01  # warming "auto": every question through every exit
+        for (state, qs), d in warm:
+            engine.predict(state, qs, depth=d)
+    finally:
+        engine.depth_threshold = lev_jax.engine.DEPTH_THRESHOLD
     seen = set().union(*(engine.programs(s, q, depth=d) for (s, q), d in warm))
     assert any(k[0] == "depth" for k in seen)  # an exit's programs are its own
+    assert any(k[0] == "cascade-rows" and k[2] > 0 for k in seen)  # "auto" continued rows deeper
     before = engine.compiled_programs
     fresh = []
     for _ in range(300):

@@ -48,9 +48,11 @@ def test_an_exits_stage_trains_the_exits_and_leaves_the_adapter_untouched(stage)
         adapter_unchanged(plain / "checkpoints" / "2", run / "checkpoints" / str(step), "exits") for step in (4, 5)
     ]
     assert sorted(exits[0]) == ["1", "2", "3"]
-    for d in ("1", "2", "3"):  # every exit's map moved off the logit lens (b starts at zero) and on
+    for d in ("1", "2", "3"):  # every exit's map and gain moved off the logit lens (b = 0, gain = 1) and on
         assert np.abs(np.asarray(exits[0][d]["b"])).max() > 0
         assert not np.array_equal(np.asarray(exits[0][d]["b"]), np.asarray(exits[1][d]["b"]))
+        assert np.abs(np.asarray(exits[0][d]["gain"]) - 1).max() > 0
+    assert "exits KL" in stdout  # each exit also learned from the full depth's answer (exit_distill)
     losses = [e["loss"] for e in _progress(run)]
     assert len(losses) == 3 and all(np.isfinite(losses))
 
@@ -102,7 +104,7 @@ def test_a_release_carries_the_exits(stage):
     bb, _, _ = release.load_release(out)
     trained = _restore(run / "checkpoints" / "5", "trainable")["exits"]
     for d in ("1", "2", "3"):
-        for k in ("scale", "a", "b"):
+        for k in ("scale", "a", "b", "gain"):
             np.testing.assert_array_equal(np.asarray(bb.exits[d][k]), np.asarray(trained[d][k], np.float32))
 
 
@@ -138,7 +140,53 @@ def test_exits_are_refused_where_they_cannot_train():
         config.resolve("tiny", {"exits": "half", "train_adapter": False})
     with pytest.raises(config.ConfigError, match="without --mode-b"):
         config.resolve("tiny", {"exits": "default", "train_adapter": False, "mode_b": True})
+    with pytest.raises(config.ConfigError, match="exit_distill must be >= 0"):
+        config.resolve("tiny", {"exits": "default", "train_adapter": False, "exit_distill": -1.0})
     cfg = models.config_from_hf({**testing.TINY_QWEN3_5, "vocab_size": 512})
     with pytest.raises(ValueError, match=r"exit depths must be layer counts in \[1, 4\]"):
         exits_lib.depths_of("9", cfg)
     assert exits_lib.depths_of("default", cfg) == (1, 2, 3) and exits_lib.depths_of("2,4", cfg) == (2,)
+
+
+def test_exit_distillation_is_the_kl_from_the_full_depths_answer():
+    """loss.distill: KL(teacher || student) over each row's real codes, weighted over real rows."""
+    import jax
+    import jax.numpy as jnp
+
+    from lev_jax.training import loss as loss_lib
+
+    teacher = jnp.asarray([[2.0, 0.0, -1.0, 0.0], [0.5, 0.5, 0.0, 0.0]])
+    valid = jnp.asarray([[True, True, True, False], [True, True, False, False]])
+    batch = {"valid_BC": valid, "weight_B": jnp.asarray([1.0, 1.0])}
+    # the same reading on the real codes (a padded slot may hold anything): nothing to learn
+    assert float(loss_lib.distill(teacher.at[0, 3].set(50.0), teacher, batch)) == pytest.approx(0.0, abs=1e-6)
+    student = jnp.asarray([[0.0, 1.0, 0.0, 9.0], [0.0, 2.0, 7.0, 7.0]])
+    p0, q0 = jax.nn.softmax(teacher[0, :3]), jax.nn.softmax(student[0, :3])
+    p1, q1 = jax.nn.softmax(teacher[1, :2]), jax.nn.softmax(student[1, :2])
+    kl = [float(jnp.sum(p * (jnp.log(p) - jnp.log(q)))) for p, q in ((p0, q0), (p1, q1))]
+    assert float(loss_lib.distill(student, teacher, batch)) == pytest.approx(np.mean(kl), rel=1e-5)
+    only_first = {**batch, "weight_B": jnp.asarray([1.0, 0.0])}  # a padding row counts for nothing
+    assert float(loss_lib.distill(student, teacher, only_first)) == pytest.approx(kl[0], rel=1e-5)
+
+
+def test_exits_saved_before_the_gain_read_with_the_identity_gain():
+    import jax
+
+    from lev_jax import testing
+    from lev_jax.readout import exits as exits_lib
+
+    bb = testing.tiny_backbone("llama", seed=4, layers=4)
+    tensors = exits_lib.exits_tensors(exits_lib.init_exits(bb.config, (1, 3), rank=4))
+    assert sorted(k for k in tensors if k.startswith("exits.1.")) == [
+        f"exits.1.{k}" for k in ("a", "b", "gain", "scale")
+    ]
+    old = {k: v for k, v in tensors.items() if not k.endswith(".gain")}
+    back = exits_lib.exits_from_tensors(old, bb.config)
+    np.testing.assert_array_equal(np.asarray(back["3"]["gain"]), np.ones(bb.config.hidden_size, np.float32))
+    x = jax.random.normal(jax.random.key(0), (2, bb.config.hidden_size))
+    np.testing.assert_array_equal(
+        np.asarray(exits_lib.exit_hidden(bb.params, back, x, 3, bb.config)),
+        np.asarray(exits_lib.exit_hidden(bb.params, exits_lib.exits_from_tensors(tensors, bb.config), x, 3, bb.config)),
+    )
+    with pytest.raises(ValueError, match="does not fit hidden size"):
+        exits_lib.exits_from_tensors({**tensors, "exits.1.gain": np.ones(3, np.float32)}, bb.config)

@@ -16,9 +16,9 @@ statistics that say which of them hold (issue 14's report).
    depths come from a controller fitted on the other folds' outcomes, its projection fitted on their
    states too (`elastic.controller.cross_fit`).
 4. Per policy: accuracy, ECE, mean depth (layers run by a vertical cascade that continues the first
-   exit: no layer twice), and ms per decision on the serving path, where a question read again at a
-   deeper exit pays for that exit's read too (each exit's ms measured on a warm engine with cold
-   prefix caches, `--timing-items` items).
+   exit: no layer twice), and ms per decision on the serving path (`elastic.serving`'s cascade): the
+   deepest exit's ms plus, per exit stopped at before it, the measured cost of a stop (each exit's ms
+   and the whole cascade's measured on a warm engine with cold prefix caches, `--timing-items` items).
 5. Verdicts on paired bootstraps clustered by state (2,000 resamples): each policy non-inferior to
    full depth (lower bound of the accuracy difference > -0.02 and cheaper in layers), and the
    controller beating the static mixture at its cost (lower bound > 0). "not shown" is a result too.
@@ -100,13 +100,16 @@ def read_every_depth(engine, sets, progress=None) -> dict:
 def time_depths(engine, sets, n_items: int) -> dict:
     """ms per decision at each depth, and decisions/s at depth "full" and "auto", on the first
     `n_items` items (already compiled by `read_every_depth`; every prefix cache emptied first, so each
-    state is computed as a new request's would be)."""
+    state is computed as a new request's would be). Also "auto" with every question read at every
+    exit (the vertical cascade's whole way): its extra ms over the full depth, per exit passed, is
+    what each visit of an exit adds (`serving_ms`)."""
     items = [(item["state"], es.questions_for(item)) for es in sets for item in es.items][:n_items]
     n_q = sum(len(q) for _, q in items)
 
     def run(depth) -> float:
         for ex in engine.executors.values():
             ex.prefixes.clear()
+        engine.cascade.prefixes.clear()
         t0 = time.perf_counter()
         for state, qs in items:
             engine.predict(state, qs, depth=depth)
@@ -114,24 +117,39 @@ def time_depths(engine, sets, n_items: int) -> dict:
 
     ms = {d: 1000 * run(d) / n_q for d in engine.depths}
     full_s, auto_s = run("full"), run("auto")
+    threshold = engine.depth_threshold
+    try:
+        engine.depth_threshold = float("inf")
+        run("auto")  # its row programs continue every exit: compiled here, not timed
+        every_s = run("auto")
+    finally:
+        engine.depth_threshold = threshold
+    passed = max(len(engine.depths) - 1, 1)
     return {
         "items": len(items),
         "questions": n_q,
         "ms_per_decision": ms,
-        "decisions_per_s": {"full": n_q / full_s, "auto": n_q / auto_s},
+        "ms_per_visit": max(0.0, (1000 * every_s / n_q - ms[engine.depths[-1]]) / passed),
+        "decisions_per_s": {"full": n_q / full_s, "auto": n_q / auto_s, "auto_every_exit": n_q / every_s},
     }
 
 
-def serving_ms(chosen: np.ndarray, ms: dict, visits: Sequence[Sequence[int]] | None = None) -> float:
-    """Mean ms per decision on the serving path: the sum of each exit a question was read at."""
+def serving_ms(
+    chosen: np.ndarray, ms: dict, visits: Sequence[Sequence[int]] | None = None, per_visit: float = 0.0
+) -> float:
+    """Mean ms per decision on the serving path (the vertical cascade: a question read at exits
+    e1 < ... < ek runs ek layers once): the deepest exit's ms, plus `per_visit` for each exit it was
+    read at before it (the readout and the call of each stop)."""
     if visits is None:
         return float(np.mean([ms[int(d)] for d in chosen]))
-    return float(np.mean([sum(ms[int(d)] for d in v) for v in visits]))
+    return float(np.mean([ms[int(max(v))] + per_visit * (len(v) - 1) for v in visits]))
 
 
-def evaluate(data: dict, ms: dict | None, *, thresholds=THRESHOLDS, lams=LAMBDAS, folds=FOLDS, seed=0) -> dict:
+def evaluate(
+    data: dict, ms: dict | None, *, thresholds=THRESHOLDS, lams=LAMBDAS, folds=FOLDS, seed=0, per_visit: float = 0.0
+) -> dict:
     """Every policy's metrics and verdicts over `read_every_depth`'s data (`ms`: measured ms per
-    decision per depth, or None)."""
+    decision per depth, or None; `per_visit`: what each earlier exit a question stops at adds)."""
     depths, rows, gold, clusters = data["depths"], data["rows"], data["gold"], data["clusters"]
     full, first = depths[-1], depths[0]
     layers = {d: float(d) for d in depths}
@@ -147,7 +165,7 @@ def evaluate(data: dict, ms: dict | None, *, thresholds=THRESHOLDS, lams=LAMBDAS
                 "accuracy": metrics.accuracy(sel, gold),
                 "ece": metrics.ece(sel, gold),
                 "mean_depth": policy.cascade_cost(np.asarray(chosen), layers),
-                "ms_per_decision": None if ms is None else serving_ms(np.asarray(chosen), ms, visits),
+                "ms_per_decision": None if ms is None else serving_ms(np.asarray(chosen), ms, visits, per_visit),
                 **extra,
             }
         )
@@ -230,7 +248,9 @@ def markdown(report: dict) -> str:
             f"Serving throughput on {t['items']} items ({t['questions']} decisions), cold prefix caches: "
             f"{t['decisions_per_s']['full']:.2f} decisions/s at depth full, "
             f"{t['decisions_per_s']['auto']:.2f} at auto (threshold {report['auto_threshold']:g}); "
-            "ms per decision per exit: " + ", ".join(f"{d}: {m:.1f}" for d, m in t["ms_per_decision"].items()) + ".",
+            "ms per decision per exit: " + ", ".join(f"{d}: {m:.1f}" for d, m in t["ms_per_decision"].items()) + "; "
+            f"every exit in turn (the whole cascade): {t['decisions_per_s']['auto_every_exit']:.2f} decisions/s, "
+            f"{t['ms_per_visit']:.1f} ms per exit passed.",
         ]
     return "\n".join(lines) + "\n"
 
@@ -242,7 +262,9 @@ def run(engine, sets, out_dir, *, timing_items: int = 30, folds=FOLDS, seed: int
         raise ValueError(f"{engine.model_name} has no exits (depths {list(engine.depths)}): train them first")
     data = read_every_depth(engine, sets, progress)
     timing = time_depths(engine, sets, timing_items) if timing_items else None
-    report = evaluate(data, None if timing is None else timing["ms_per_decision"], folds=folds, seed=seed)
+    ms = None if timing is None else timing["ms_per_decision"]
+    per_visit = 0.0 if timing is None else timing["ms_per_visit"]
+    report = evaluate(data, ms, folds=folds, seed=seed, per_visit=per_visit)
     report |= {"model": engine.model_name, "auto_threshold": engine.depth_threshold, "timing": timing}
     report["tasks"] = sorted(set(data["tasks"]))
     out = Path(out_dir)

@@ -70,6 +70,18 @@ def deepen(params, prefix: Prefix, cfg, depth: int) -> Prefix:
     return Prefix(cache, resid, prefix.tokens_BS, prefix.valid_BS, depth)
 
 
+def truncated(prefix: Prefix, depth: int) -> Prefix:
+    """`prefix` as a reading at exit `depth` needs it: its cache's first `depth` layers (a prefix
+    computed deeper serves shallower readings; the program then depends on `depth` only). For
+    reading only: its residual stream is still the deeper one's, so it must not be deepened."""
+    if prefix.depth < depth:
+        raise ValueError(f"the prefix is computed to depth {prefix.depth}; reading at {depth} needs deepen first")
+    if prefix.depth == depth:
+        return prefix
+    cache = {**prefix.cache, "layers": tuple(prefix.cache["layers"])[:depth]}
+    return Prefix(cache, prefix.resid_BSE, prefix.tokens_BS, prefix.valid_BS, depth)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "depth", "start"))
 def read(
     params, exits, prefix: Prefix, tokens_BT, valid_BT, answer_B, label_ids_BC, cfg, depth: int, start=0, rows=None

@@ -17,6 +17,7 @@ from flax import nnx
 from lev_jax.models import cache as cache_lib
 from lev_jax.models.base import REMAT_POLICIES  # noqa: F401
 from lev_jax.models.context import CacheWrite, Context  # noqa: F401
+from lev_jax.models.layers import exit_params
 from lev_jax.models.llama import LlamaConfig
 from lev_jax.models.qwen3_5 import Qwen3_5Config
 
@@ -145,7 +146,7 @@ def exit_view(params, cfg, depth: int, adapter=None):
         changes["layer_types"] = tuple(cfg.layer_types[:depth])
     view = {k: v for k, v in params.items() if k != "layers"}
     view["layers"] = {i: params["layers"][i] for i in range(depth)}
-    view["exit"] = {k: adapter[k] for k in ("scale", "a", "b")}
+    view["exit"] = exit_params(adapter)
     return view, dataclasses.replace(cfg, **changes)
 
 

@@ -156,7 +156,9 @@ class CausalLM(nnx.Module):
     def final(self, x):
         """The final norm of a raw residual stream (after the exit map of a model truncated at an
         exit)."""
-        return self.norm(x if self.exit is None else self.exit(x))
+        if self.exit is None:
+            return self.norm(x)
+        return self.exit.after_norm(self.norm(self.exit(x)))
 
     def head(self, hidden_BRE, token_ids=None):
         """Vocabulary logits in fp32, over all rows of the head or only `token_ids` ([N] -> [..., N])."""

@@ -198,6 +198,26 @@ def exit_map(x_raw, scale, a, b):
     return x + jnp.einsum("...r,re->...e", low.astype(b.dtype), b, preferred_element_type=jnp.float32)
 
 
+EXIT_KEYS = ("scale", "a", "b", "gain")  # an exit adapter's arrays (readout.exits)
+
+
+def exit_params(adapter) -> dict:
+    """An exit adapter's arrays in `EXIT_KEYS` order; one trained before exits had a gain gets the
+    identity gain (ones), which is what it read labels with."""
+    out = {k: adapter[k] for k in EXIT_KEYS if k in adapter}
+    if "gain" not in out:
+        out["gain"] = jnp.ones(adapter["scale"].shape, jnp.float32)
+    return out
+
+
+def exit_gain(h_normed, gain):
+    """An exit's own gain on the final-normed hidden state [..., E] (the shared final norm's weight
+    times this, per exit). It sets the exit's logit scale: the final norm removes the magnitude of
+    whatever the rank-r map adds, so without it an exit can only flatten an over-confident reading by
+    rotating the stream, which its few parameters learn slowly if at all (measured: EVAL.md)."""
+    return (h_normed.astype(jnp.float32) * gain).astype(h_normed.dtype)
+
+
 class ExitMap(nnx.Module):
     """`exit_map` as a module: what a model truncated at an exit (`models.exit_view`) applies before
     its final norm, so every readout path of the full model reads labels at the exit unchanged."""
@@ -206,9 +226,13 @@ class ExitMap(nnx.Module):
         self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
         self.a = nnx.Param(jnp.zeros((dim, rank), dtype))
         self.b = nnx.Param(jnp.zeros((rank, dim), dtype))
+        self.gain = nnx.Param(jnp.ones((dim,), jnp.float32))
 
     def __call__(self, x):
         return exit_map(x, self.scale[...], self.a[...], self.b[...])
+
+    def after_norm(self, h):
+        return exit_gain(h, self.gain[...])
 
 
 class MLP(nnx.Module):

@@ -3,14 +3,17 @@
 An exit adapter maps the residual stream after layer d towards what the final layer would have
 produced, so the model's own final norm and vocabulary/label head are shared by every exit:
 
-    x_d  -> x_d + (rmsnorm(x_d) * scale) @ a @ b  -> final norm -> label rows of the head
+    x_d  -> x_d + (rmsnorm(x_d) * scale) @ a @ b  -> final norm -> * gain -> label rows of the head
 
-`a` [E, r] and `b` [r, E] are low rank (`b` starts at zero: an untrained exit is the plain "logit
-lens" of layer d); the norm's statistics are fp32. Adapters are a plain pytree {str(d): adapter},
-trained like a LoRA tree; the exit at d = L (the full model) has none and is today's readout exactly.
+`a` [E, r] and `b` [r, E] are low rank (`b` starts at zero and `gain` at one: an untrained exit is
+the plain "logit lens" of layer d); the norm's statistics are fp32. `gain` [E] is the exit's own
+weight on the shared final norm: its logit scale (models.layers.exit_gain says why it is needed).
+Adapters are a plain pytree {str(d): adapter}, trained like a LoRA tree; the exit at d = L (the
+full model) has none and is today's readout exactly.
 
 Rows are read at exits by `readout.logits.rows_exit_logits` (the readout every row goes through);
-`elastic.cascade` computes prefixes to a depth and continues them deeper.
+`elastic.cascade` computes prefixes to a depth and continues them deeper, `elastic.serving` serves
+depth="auto" with it.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lev_jax import models
-from lev_jax.models.layers import exit_map
+from lev_jax.models.layers import EXIT_KEYS, exit_gain, exit_map, exit_params
 
 EXITS_KEY = "exits"  # where a training state's trainable tree holds the exit adapters, beside the adapter
 DEFAULT = "default"  # the spec of L/4, L/2, 3L/4 (and L)
@@ -49,7 +52,7 @@ def depths_of(spec: str, cfg) -> tuple[int, ...]:
 
 def init_exits(cfg, depths, rank: int = 8, seed: int = 0, dtype: str = "float32") -> dict:
     """Fresh adapters for every exit in `depths` below the model's depth (the last layer needs none).
-    `a` ~ normal(0, 1/sqrt(E)), `b` = 0, `scale` = 1."""
+    `a` ~ normal(0, 1/sqrt(E)), `b` = 0, `scale` = `gain` = 1."""
     L, E = models.num_layers(cfg), int(cfg.hidden_size)
     depths = check_depths(cfg, depths)
     out = {}
@@ -59,6 +62,7 @@ def init_exits(cfg, depths, rank: int = 8, seed: int = 0, dtype: str = "float32"
             "scale": jnp.ones((E,), jnp.float32),
             "a": (jax.random.normal(key, (E, rank), jnp.float32) / jnp.sqrt(E)).astype(dtype),
             "b": jnp.zeros((rank, E), dtype),
+            "gain": jnp.ones((E,), jnp.float32),
         }
     return out
 
@@ -86,22 +90,24 @@ def apply_exit(adapter, x_raw):
 
 def exit_hidden(params, exits, x_raw, depth: int, cfg):
     """The final-normed hidden state an exit at `depth` reads labels from: the model's own final
-    norm of the raw stream at d = L, of the adapted stream below. KeyError names a missing exit."""
-    if depth < models.num_layers(cfg):
-        if str(depth) not in exits:
-            raise KeyError(f"no exit adapter at depth {depth}; trained exits: {sorted(map(int, exits))}")
-        x_raw = apply_exit(exits[str(depth)], x_raw)
-    return models.final_norm(params, x_raw, cfg)
+    norm of the raw stream at d = L, of the adapted stream below (times the exit's gain). KeyError
+    names a missing exit."""
+    if depth >= models.num_layers(cfg):
+        return models.final_norm(params, x_raw, cfg)
+    if str(depth) not in exits:
+        raise KeyError(f"no exit adapter at depth {depth}; trained exits: {sorted(map(int, exits))}")
+    adapter = exit_params(exits[str(depth)])
+    return exit_gain(models.final_norm(params, apply_exit(adapter, x_raw), cfg), adapter["gain"])
 
 
 def exits_tensors(exits: dict, prefix: str = "exits.") -> dict[str, np.ndarray]:
-    """The adapters as named fp32 arrays (safetensors): "exits.{d}.{scale,a,b}"."""
-    return {f"{prefix}{d}.{k}": np.array(v, np.float32) for d, a in exits.items() for k, v in a.items()}
+    """The adapters as named fp32 arrays (safetensors): "exits.{d}.{scale,a,b,gain}"."""
+    return {f"{prefix}{d}.{k}": np.array(v, np.float32) for d, a in exits.items() for k, v in exit_params(a).items()}
 
 
 def exits_from_tensors(tensors: dict, cfg, prefix: str = "exits.") -> dict:
     """The adapters back from `exits_tensors`' names; ValueError naming what is missing, mis-shaped
-    or deeper than the model."""
+    or deeper than the model. Adapters saved before exits had a gain get the identity gain."""
     E, L = int(cfg.hidden_size), models.num_layers(cfg)
     depths = sorted({int(k[len(prefix) :].split(".")[0]) for k in tensors if k.startswith(prefix)})
     if not depths:
@@ -110,13 +116,15 @@ def exits_from_tensors(tensors: dict, cfg, prefix: str = "exits.") -> dict:
     for d in depths:
         if not 1 <= d < L:
             raise ValueError(f"an exit adapter at depth {d}: the model's exits are at 1..{L - 1}")
-        need = [f"{prefix}{d}.{k}" for k in ("scale", "a", "b")]
+        need = [f"{prefix}{d}.{k}" for k in EXIT_KEYS if k != "gain"]
         missing = [n for n in need if n not in tensors]
         if missing:
             raise ValueError(f"the exit adapters lack {', '.join(missing)}")
-        a = {k: jnp.asarray(np.asarray(tensors[n], np.float32)) for k, n in zip(("scale", "a", "b"), need)}
+        names = {k: f"{prefix}{d}.{k}" for k in EXIT_KEYS if f"{prefix}{d}.{k}" in tensors}
+        a = exit_params({k: jnp.asarray(np.asarray(tensors[n], np.float32)) for k, n in names.items()})
         r = a["a"].shape[-1]
-        if a["scale"].shape != (E,) or a["a"].shape != (E, r) or a["b"].shape != (r, E):
+        shapes = (a["scale"].shape, a["a"].shape, a["b"].shape, a["gain"].shape)
+        if shapes != ((E,), (E, r), (r, E), (E,)):
             raise ValueError(f"the exit adapter at depth {d} does not fit hidden size {E}")
         out[str(d)] = a
     return out

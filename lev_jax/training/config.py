@@ -70,6 +70,11 @@ class TrainConfig:
     # answer the run serves stays bit-identical while its exits learn to match it
     exits: str = ""
     exit_rank: int = 8
+    # each exit's loss adds exit_distill x KL(full depth || exit) over the row's label codes: the frozen
+    # full model's own answer as a soft target (the rows then run to the full depth, without gradient
+    # into it). The gold label alone gives an exit little to learn from where its layer does not yet
+    # encode the answer (EVAL.md "Elastic depth on the default"); 0 trains on the gold label only.
+    exit_distill: float = 1.0
     # -- optimisation ----------------------------------------------------------------------------
     steps: int = 1000
     batch_size: int = 16  # examples per step (all of their rows train together)
@@ -144,6 +149,7 @@ class TrainConfig:
             ),
             (_exits_ok(self.exits), "exits must be '', 'default' or comma-separated layer counts"),
             (self.exit_rank >= 1, "exit_rank must be >= 1"),
+            (self.exit_distill >= 0, "exit_distill must be >= 0"),
             (
                 self.train_adapter or self.mode_b or bool(self.exits),
                 "train_adapter=false trains only the Mode B head or the exits: it needs --mode-b or --set exits=",

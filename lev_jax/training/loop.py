@@ -178,8 +178,15 @@ class Trainer:
             remat=self.cfg.remat,
             rows_per_call=self.cfg.rows_per_call,
             exits=exits,
-            exit_depths=self.exit_depths,
+            exit_depths=self.read_depths,
         )
+
+    @property
+    def read_depths(self) -> tuple[int, ...]:
+        """The depths a step reads labels at: the exits, and the full depth when it is their teacher."""
+        if self.exit_depths and self.cfg.exit_distill > 0:
+            return (*self.exit_depths, models.num_layers(self.model_cfg))
+        return self.exit_depths
 
     def loss(self, trainable, frozen, batch, key=None):
         """(scalar, stats) of the configured loss; `key` draws RLCD's noise (unused by "plain"). With
@@ -195,8 +202,15 @@ class Trainer:
 
         if not isinstance(logits, dict):
             return one(logits, key)
-        keys = [None] * len(logits) if key is None else list(jax.random.split(key, len(logits)))
-        outs = [one(logits[d], k) for d, k in zip(sorted(logits), keys)]
+        depths = self.exit_depths
+        keys = [None] * len(depths) if key is None else list(jax.random.split(key, len(depths)))
+        outs = [one(logits[d], k) for d, k in zip(depths, keys)]
+        if len(self.read_depths) > len(depths):  # the full depth's answer is each exit's soft target too
+            teacher = jax.lax.stop_gradient(logits[self.read_depths[-1]])
+            beta = self.cfg.exit_distill
+            for i, d in enumerate(depths):
+                kl = loss_lib.distill(logits[d], teacher, rows)
+                outs[i] = (outs[i][0] + beta * kl, {**outs[i][1], "distill": kl})
         return jax.tree.map(lambda *xs: sum(xs) / len(xs), *outs)
 
     def _step(self, state, frozen, batch):
@@ -349,6 +363,9 @@ class Window:
         policy = float(np.mean([x["policy"] for x in m])) if "policy" in m[-1] else None
         if policy is not None:  # the RLCD loss: its policy term and mean reward beside the plain loss
             modes += f" | rlcd policy {policy:+.4f} reward {float(np.mean([x['reward'] for x in m])):.3f}"
+        distill = float(np.mean([x["distill"] for x in m])) if "distill" in m[-1] else None
+        if distill is not None:  # exits learning from the full depth: their mean KL from it
+            modes += f" | exits KL {distill:.4f}"
         text = (
             f"step {step}/{total} {100 * step / total:5.1f}% | loss {mean:.4f} ({modes}) | "
             f"lr {float(m[-1]['lr']):.2e} | {sps:.3f} steps/s | {tps:.0f} tok/s | elapsed {clock(elapsed)} | "
@@ -362,6 +379,7 @@ class Window:
             "lr": float(m[-1]["lr"]),
             "grad_norm": float(m[-1]["grad_norm"]),
             **({"rlcd_policy": policy} if policy is not None else {}),
+            **({"exit_kl": distill} if distill is not None else {}),
             "steps_per_s": sps,
             "tokens_per_s": tps,
             "elapsed_s": round(elapsed, 2),

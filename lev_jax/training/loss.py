@@ -61,6 +61,17 @@ def loss(logits_BC, batch, *, brier_weight: float = 0.5, ordinal_weight: float =
     return total, stats
 
 
+def distill(logits_BC, teacher_BC, batch):
+    """The weighted mean over rows of KL(teacher || softmax(logits)) over each row's real codes: how
+    far a reading (an elastic-depth exit) is from another one's distribution (the full depth's)."""
+    valid_BC = batch["valid_BC"]
+    logq_BC = jax.nn.log_softmax(jnp.where(valid_BC, logits_BC.astype(jnp.float32), _MASKED), axis=-1)
+    logp_BC = jax.nn.log_softmax(jnp.where(valid_BC, teacher_BC.astype(jnp.float32), _MASKED), axis=-1)
+    kl_B = jnp.sum(jnp.where(valid_BC, jnp.exp(logp_BC) * (logp_BC - logq_BC), 0.0), axis=-1)
+    w = batch["weight_B"].astype(jnp.float32)
+    return jnp.sum(kl_B * w) / jnp.maximum(jnp.sum(w), 1e-9)
+
+
 # --------------------------------------------------------------------------- RLCD
 # Reinforcement on the calibrated decision (`--loss rlcd`): a Gaussian policy over each row's label
 # logits, rewarded by proper scoring rules of the perturbed distribution against the target.

@@ -37,9 +37,15 @@ class Trail:
     before it runs (`Cascade.programs`), whichever of its questions go deeper."""
 
     def __init__(self):
-        self.rows: dict[int, tuple[int, jax.Array]] = {}
+        # the row object is kept too: an id is unique only while its object lives (a second round's
+        # rows are made anew at each depth and must not inherit a freed row's id and stream)
+        self.rows: dict[int, tuple[int, jax.Array, object]] = {}
         self.calls: list[list] = []  # [readout.execute.Call, depth it was last read at]
         self.reads: list[tuple[int, int, int]] = []  # (call, from depth, to depth) in the order run
+
+    def seen(self, row) -> bool:
+        got = self.rows.get(id(row))
+        return got is not None and got[2] is row
 
 
 class Cascade:
@@ -101,7 +107,7 @@ class Cascade:
                 if not usage.prefix_seen:
                     usage.processed += len(key)
                     usage.cached += len(key) if hit else 0
-                new = [j for j, i in enumerate(idx) if id(rows[i]) not in trail.rows]
+                new = [j for j, i in enumerate(idx) if not trail.seen(rows[i])]
                 usage.processed += sum(len(rest[j].tokens) for j in new)
                 work = []
                 for call in self.executor.calls([rest[j] for j in new]) if new else ():
@@ -109,7 +115,7 @@ class Cascade:
                     work.append((len(trail.calls) - 1, [new[k] for k in call.rows]))
                 again = collections.defaultdict(list)
                 for j, i in enumerate(idx):
-                    if id(rows[i]) in trail.rows and j not in new:
+                    if trail.seen(rows[i]) and j not in new:
                         again[trail.rows[id(rows[i])][0]].append(j)
                 work += sorted(again.items())
                 for cid, js in work:
@@ -148,7 +154,7 @@ class Cascade:
         trail.reads.append((cid, start, depth))
         logits = np.asarray(got.logits_BC)
         for j, (r, orig) in enumerate(zip(rest, originals)):
-            trail.rows[id(orig)] = (cid, got.resid_BTE[j, : len(r.tokens)])
+            trail.rows[id(orig)] = (cid, got.resid_BTE[j, : len(r.tokens)], orig)
         return [logits[j, : r.width] for j, r in enumerate(rest)]
 
     # -- programs ---------------------------------------------------------------------------------

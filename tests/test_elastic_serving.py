@@ -149,6 +149,38 @@ def test_auto_continues_each_row_from_its_last_exit_never_running_a_layer_twice(
         assert [(s, d) for k, s, d in trail.reads if k == c] == [(0, 1), (1, 2), (2, 3), (3, 4)]
 
 
+def test_schema_first_rows_whose_long_question_lead_joins_the_prefix_go_through_the_cascade(engine, monkeypatch):
+    """With the schema first a question's options lead its row and join the prefix (cached across
+    states): a row is long for the cascade only by what follows that lead."""
+    trails = []
+
+    class Recording(elastic_serving.Trail):
+        def __init__(self):
+            super().__init__()
+            trails.append(self)
+
+    monkeypatch.setattr(elastic_serving, "Trail", Recording)
+    schema = lev_jax.Engine(engine.backbone, layout="schema_first")
+    options = {f"team {i}": f"tickets about the part of the order numbered {i} and its delivery" for i in range(24)}
+    long_q = {"team": {"type": "choice", "instructions": "Which team?", "criteria": options}}
+    plan = schema.plan(STATE, long_q, depth="auto")
+    assert any(len(r.tokens) > lev_jax.buckets.PREFILL_CHUNK for r in plan.rows)
+    assert all(r.stateless for r in plan.rows) and elastic_serving.Cascade.serves(plan)
+    full = schema.predict(STATE, long_q)
+    try:
+        schema.depth_threshold = 1.01
+        answers, usage = schema.predict_with_usage(STATE, long_q, depth="auto")
+    finally:
+        schema.depth_threshold = lev_jax.engine.DEPTH_THRESHOLD
+    assert usage["depths"] == {"team": 4}
+    assert_close(answers, full)
+    [trail] = trails
+    calls = sorted({c for c, _, _ in trail.reads})
+    assert len(calls) == len({r.tokens[: r.stateless].__repr__() for r in plan.rows})  # a call per lead
+    for c in calls:
+        assert [(s, d) for k, s, d in trail.reads if k == c] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+
+
 def test_a_request_the_cascade_cannot_read_goes_through_each_exits_executor(engine):
     plan = engine.plan(STATE, QUESTIONS, depth="auto")
     assert elastic_serving.Cascade.serves(plan)

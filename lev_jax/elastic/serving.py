@@ -60,12 +60,12 @@ class Cascade:
 
     @staticmethod
     def serves(plan) -> bool:
-        """Text prefix and short Mode A rows: what this path reads."""
-        rows = plan.rows
+        """A text prefix and Mode A rows that fit a prefill chunk after their state-independent lead
+        (which joins the prefix): what this path reads."""
         return (
             bool(plan.prefix_ids)
             and not getattr(plan.prefix_ids, "images", ())
-            and all(r.markers is None and not is_long(r) for r in rows)
+            and all(r.markers is None and not is_long(r.after(r.stateless)) for r in plan.rows)
         )
 
     # -- prefixes ---------------------------------------------------------------------------------

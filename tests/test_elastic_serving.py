@@ -184,6 +184,9 @@ def test_schema_first_rows_whose_long_question_lead_joins_the_prefix_go_through_
 def test_a_request_the_cascade_cannot_read_goes_through_each_exits_executor(engine):
     plan = engine.plan(STATE, QUESTIONS, depth="auto")
     assert elastic_serving.Cascade.serves(plan)
+    # a prefix the cascade would compute in one call past its bound (the executors chunk it)
+    plan = engine.plan(" ".join(["word"] * (elastic_serving.PREFIX_MAX + 10)), QUESTIONS, depth="auto")
+    assert len(plan.prefix_ids) > elastic_serving.PREFIX_MAX and not elastic_serving.Cascade.serves(plan)
     # a question whose options make its rows longer than a prefill chunk (read chunk by chunk)
     options = {f"team {i}": f"tickets about the part of the order numbered {i} and its delivery" for i in range(24)}
     long_q = {"team": {"type": "choice", "instructions": "Which team?", "criteria": options}}

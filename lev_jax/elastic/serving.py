@@ -8,8 +8,9 @@ and deepened later from its kept residual stream (one entry per prefix in an LRU
 requests), and a row read at exit d1 keeps its residual stream after layer d1 in the request's
 `Trail`, so reading it at d2 runs layers [d1, d2) only.
 
-What it serves: text prefixes and Mode A rows up to a prefill chunk (`Cascade.serves`). A request
-with images, Mode B rows or rows read chunk by chunk goes through the per-depth executors instead
+What it serves: text prefixes (with a schema-first row's question lead) up to `PREFIX_MAX` tokens and
+Mode A rows up to a prefill chunk after that lead (`Cascade.serves`). A request with images, Mode B
+rows, rows read chunk by chunk or a longer prefix goes through the per-depth executors instead
 (correct, but it re-runs the shallower layers). Attention here is the exact softmax of
 `elastic.cascade`; the answers equal each depth's own readout (tests/test_elastic_serving.py).
 """
@@ -27,6 +28,11 @@ from lev_jax import buckets
 from lev_jax.elastic import cascade
 from lev_jax.readout import logits as logits_lib
 from lev_jax.readout.execute import Executor, is_long, prefill_program
+
+# A prefix (with a row's question lead) is computed here in one call, not chunk by chunk as the
+# executors do: past this many tokens its attention scores would grow quadratically in one block, so
+# such a request is read by the per-exit executors instead.
+PREFIX_MAX = 4 * buckets.PREFILL_CHUNK
 
 
 class Trail:
@@ -65,6 +71,7 @@ class Cascade:
         return (
             bool(plan.prefix_ids)
             and not getattr(plan.prefix_ids, "images", ())
+            and len(plan.prefix_ids) + max(r.stateless for r in plan.rows) <= PREFIX_MAX
             and all(r.markers is None and not is_long(r.after(r.stateless)) for r in plan.rows)
         )
 

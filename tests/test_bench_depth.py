@@ -67,6 +67,7 @@ def test_every_exit_and_policy_is_reported_with_its_verdicts(report):
     assert by["oracle (bound)"]["accuracy"] >= max(by[f"fixed {d}"]["accuracy"] for d in (1, 2, 3, 4))
     assert rep["timing"]["decisions_per_s"]["full"] > 0 and rep["timing"]["decisions_per_s"]["auto"] > 0
     assert rep["timing"]["decisions_per_s"]["auto_every_exit"] > 0 and rep["timing"]["ms_per_visit"] >= 0
+    assert rep["timing"]["compiled_while_timed"] == 0  # each clock ran after an untimed pass of the same work
     md = (out / "depth.md").read_text()
     assert "| controller lambda=0.1 |" in md and "non-inferior to full" in md
     assert json.loads((out / "depth.json").read_text())["policies"][0]["policy"] == "fixed 1"

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lev_jax import buckets, metrics
+from lev_jax import buckets, metrics, programs
 from lev_jax.bench.evalset import answer_row, gold_index
 from lev_jax.elastic import controller as ctl
 from lev_jax.elastic import policy
@@ -100,9 +100,9 @@ def read_every_depth(engine, sets, progress=None) -> dict:
 def time_depths(engine, sets, n_items: int) -> dict:
     """ms per decision at each depth, and decisions/s at depth "full" and "auto", on the first
     `n_items` items. Each is timed on a second pass right after an untimed one, every prefix cache
-    emptied before each pass (each state computed as a new request's would be): the programs it runs
-    are compiled and loaded when its clock runs (a long read before may have freed them,
-    `lev_jax.programs.guard`); programs compiled while a clock ran anyway are counted. Also "auto"
+    emptied before each pass (each state computed as a new request's would be), after freeing every
+    compiled program (so `lev_jax.programs.guard` has no reason to free them while a clock runs): the
+    programs it runs are compiled when its clock runs; any compiled while a clock ran are counted. Also "auto"
     with every question read at every exit (the vertical cascade's whole way): its extra ms over the
     full depth, per exit passed, is what each stop at an exit adds (`serving_ms`)."""
     items = [(item["state"], es.questions_for(item)) for es in sets for item in es.items][:n_items]
@@ -110,6 +110,10 @@ def time_depths(engine, sets, n_items: int) -> dict:
     compiled = [0]
 
     def run(depth) -> float:
+        # a clean slate first: with every exit's programs loaded the process nears its memory-map limit
+        # and `programs.guard` frees them all at a moment of its choosing (measured: inside a timed pass)
+        programs.free_compiled()
+        engine.compiled_keys.clear()
         for _ in range(2):
             for ex in engine.executors.values():
                 ex.prefixes.clear()

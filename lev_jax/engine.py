@@ -241,10 +241,10 @@ class Engine:
         """depth="auto": every question read at the shallowest exit, and each one whose top
         probability is below `depth_threshold` read again at the next exit, up to the full depth
         (elastic.policy.threshold, the policy `levbench depth` evaluates). A text request of Mode A
-        rows up to a prefill chunk reads through the vertical cascade (`elastic.serving`: a deeper
-        reading runs only the layers below the last one); others (images, Mode B rows, rows read
-        chunk by chunk, the reference path) through each exit's executor, re-running the shallower
-        layers of a question read again."""
+        rows up to a prefill chunk (after a schema-first row's question lead) reads through the
+        vertical cascade (`elastic.serving`: a deeper reading runs only the layers below the last
+        one); others (images, Mode B rows, rows read chunk by chunk, the reference path) through
+        each exit's executor, re-running the shallower layers of a question read again."""
         cascade = reader is None and not reference and self.cascade.serves(plan)
         trail = elastic_serving.Trail()
         answers, todo = {}, list(plan.questions)

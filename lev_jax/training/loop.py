@@ -190,7 +190,8 @@ class Trainer:
 
     def loss(self, trainable, frozen, batch, key=None):
         """(scalar, stats) of the configured loss; `key` draws RLCD's noise (unused by "plain"). With
-        exits, the mean over exits of the loss at each (stats averaged likewise)."""
+        exits, the mean over exits of the loss at each plus `exit_distill` x its KL divergence from the
+        full depth's answer (stats averaged likewise; "distill" is the mean KL)."""
         logits, rows = self.logits(trainable, frozen, batch), batches.flat_rows(batch)
         if self.cfg.loss == "rlcd" and key is None:
             raise ValueError("the rlcd loss draws noise: pass a PRNG key")

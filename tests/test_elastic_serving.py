@@ -125,15 +125,21 @@ def test_auto_stops_each_question_at_the_first_sure_exit(engine):
         engine.depth_threshold = lev_jax.engine.DEPTH_THRESHOLD
 
 
-def test_auto_continues_each_row_from_its_last_exit_never_running_a_layer_twice(engine, monkeypatch):
-    trails = []
+@pytest.fixture
+def trails(monkeypatch):
+    """Every elastic.serving.Trail the engine makes while the test runs (one per auto request)."""
+    made = []
 
     class Recording(elastic_serving.Trail):
         def __init__(self):
             super().__init__()
-            trails.append(self)
+            made.append(self)
 
     monkeypatch.setattr(elastic_serving, "Trail", Recording)
+    return made
+
+
+def test_auto_continues_each_row_from_its_last_exit_never_running_a_layer_twice(engine, trails):
     full = engine.predict(STATE, QUESTIONS)
     try:
         engine.depth_threshold = 1.01  # no exit is sure: every question goes through every exit
@@ -149,17 +155,9 @@ def test_auto_continues_each_row_from_its_last_exit_never_running_a_layer_twice(
         assert [(s, d) for k, s, d in trail.reads if k == c] == [(0, 1), (1, 2), (2, 3), (3, 4)]
 
 
-def test_schema_first_rows_whose_long_question_lead_joins_the_prefix_go_through_the_cascade(engine, monkeypatch):
+def test_schema_first_rows_whose_long_question_lead_joins_the_prefix_go_through_the_cascade(engine, trails):
     """With the schema first a question's options lead its row and join the prefix (cached across
     states): a row is long for the cascade only by what follows that lead."""
-    trails = []
-
-    class Recording(elastic_serving.Trail):
-        def __init__(self):
-            super().__init__()
-            trails.append(self)
-
-    monkeypatch.setattr(elastic_serving, "Trail", Recording)
     schema = lev_jax.Engine(engine.backbone, layout="schema_first")
     options = {f"team {i}": f"tickets about the part of the order numbered {i} and its delivery" for i in range(24)}
     long_q = {"team": {"type": "choice", "instructions": "Which team?", "criteria": options}}

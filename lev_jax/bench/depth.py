@@ -102,7 +102,7 @@ def time_depths(engine, sets, n_items: int) -> dict:
     `n_items` items. Each is timed on a second pass right after an untimed one, every prefix cache
     emptied before each pass (each state computed as a new request's would be), after freeing every
     compiled program (so `lev_jax.programs.guard` has no reason to free them while a clock runs): the
-    programs it runs are compiled when its clock runs; any compiled while a clock ran are counted. Also "auto"
+    untimed pass compiles what the timed one runs; any compiled while a clock ran are counted. Also "auto"
     with every question read at every exit (the vertical cascade's whole way): its extra ms over the
     full depth, per exit passed, is what each stop at an exit adds (`serving_ms`)."""
     items = [(item["state"], es.questions_for(item)) for es in sets for item in es.items][:n_items]

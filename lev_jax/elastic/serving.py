@@ -147,13 +147,11 @@ class Cascade:
             raise ValueError(f"rows read at depth {start} cannot be read again at {depth}")
         batch = logits_lib.pack_rows(rest, call.batch, call.length, call.codes)
         rows_in = None
-        if start > 0:
+        if start > 0:  # the kept streams padded to the call's shape on the device (no host round trip)
             saved = [trail.rows[id(r)][1] for r in originals]
-            resid = np.zeros((call.batch, call.length, E), np.float32)
-            for j, x in enumerate(saved):
-                resid[j, : x.shape[0]] = np.asarray(x, np.float32)
-            resid = jnp.asarray(resid, saved[0].dtype)
-            rows_in = cascade.Rows(jnp.zeros((call.batch, call.codes), jnp.float32), resid, start)
+            resid = [jnp.pad(x, ((0, call.length - x.shape[0]), (0, 0))) for x in saved]
+            resid += [jnp.zeros((call.length, E), saved[0].dtype)] * (call.batch - len(saved))
+            rows_in = cascade.Rows(jnp.zeros((call.batch, call.codes), jnp.float32), jnp.stack(resid), start)
         args = map(jnp.asarray, (batch.tokens_BT, batch.valid_BT, batch.answer_B, batch.label_ids_BC))
         at = cascade.truncated(pre, depth)  # the program's shape follows `depth`, not what is cached
         got = cascade.read(bb.params, bb.exits, at, *args, bb.config, depth=depth, start=start, rows=rows_in)

@@ -175,7 +175,9 @@ def test_mode_b_examples_train_the_marked_row_shuffled_and_the_mode_a_rows(bb):
     assert set(trainable[modeb.HEAD_KEY]) == {"w1", "b1", "w2", "b2"}
     examples = [r.example(rec, r.rng(0, k)) for k, rec in enumerate(RECORDS)]
     arrays, _ = batches.pack(examples)
-    assert arrays["marked_ER"].sum() == 2  # both 4-option choices
+    assert sum(p["marked_ER"].sum() for p in batches.parts(arrays)) == 2  # both 4-option choices
+    for g in batches.group_rows(examples):  # a group never mixes marked and Mode A rows
+        assert len({examples[e].rows[i].markers is None for e, i, _ in g.rows}) == 1
     scores = np.asarray(trainer.logits(trainable, trainer.frozen, arrays))
     # the serving path (the same merged weights and head): every row of the examples with a marked
     # row (both choices: their marked and Mode A rows) scores alike; the other examples' Mode A rows
@@ -193,9 +195,75 @@ def test_mode_b_examples_train_the_marked_row_shuffled_and_the_mode_a_rows(bb):
 
 
 def _row_index(arrays, examples, example):
-    """Flat batch indices of `example`'s rows (pack's grouping, recomputed)."""
-    groups = batches.group_rows(examples)
-    R = arrays["tokens_ERT"].shape[1]
+    """Flat batch indices of `example`'s rows (pack's layout, recomputed)."""
     e = next(i for i, x in enumerate(examples) if x is example)
-    where = {(ee, i): g_i * R + r_i for g_i, g in enumerate(groups) for r_i, (ee, i, _) in enumerate(g.rows)}
+    where = batches.row_positions(examples, arrays)
     return [where[(e, i)] for i in range(len(example.rows))]
+
+
+def _same_question(n, **planner_kw):
+    big = {f"intent_{k}": None for k in range(12)}
+    q = {"type": "choice", "instructions": "Which intent?", "criteria": big}
+    return [_rec(f"Ticket {i}: my card was charged twice.", q, np.eye(12)[i % 12].tolist(), "choice") for i in range(n)]
+
+
+def test_mode_b_rows_are_a_part_of_their_own_and_scores_equal_the_rows_alone(bb):
+    """Schema first, one question per batch, joint: the question's Mode A rows join over the whole
+    question (short rows) and the marked rows form the batch's second part, padded apart; the step's
+    scores and gradients equal every row read in its own group (no sharing, no parts)."""
+    kw = {"mode_b": True, "mode_b_min_options": 4, "layout": "schema_first", "option_averaging": False}
+    r = batches.Renderer(Planner(bb.tokenizer, **kw), seed=0, mode_b_options=5)
+    examples = [r.example(rec, r.rng(0, k)) for k, rec in enumerate(_same_question(4))]
+    plain, marked = batches.layout(examples)
+    assert len(plain) == 1 and all(len(t) < 30 for _, _, t in plain[0].rows)  # states after the question
+    assert all(examples[e].rows[i].markers is not None for g in marked for e, i, _ in g.rows)
+    arrays, _ = batches.pack(examples)
+    main, part_b = batches.parts(arrays)
+    assert main["tokens_ERT"].shape[2] < part_b["tokens_ERT"].shape[2]  # each part padded to its own rows
+    assert part_b["marked_ER"].sum() == 4 and main["marked_ER"].sum() == 0
+    cfg = config.resolve("tiny", {k: v for k, v in kw.items() if k != "option_averaging"})
+    trainer = loop.Trainer(cfg, bb, mesh_lib.make(""))
+    trainable = jax.tree.map(lambda x: x + 0.05, trainer.init_state()["trainable"])
+    grad = jax.jit(jax.value_and_grad(lambda t, f, b: trainer.loss(t, f, b)[0]))
+    alone, _ = batches.pack(examples, shared=False)
+    assert len(batches.parts(alone)) == 1
+    (l1, g1), (l2, g2) = grad(trainable, trainer.frozen, arrays), grad(trainable, trainer.frozen, alone)
+    assert float(l1) == pytest.approx(float(l2), abs=1e-5)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+    assert float(jnp.abs(g1[modeb_key()]["w1"]).max()) > 0
+    # a lone marked row packs with its markers in the row, not in a shared prefix
+    lone = batches.Renderer(Planner(bb.tokenizer, **kw), seed=0, mode_b_joint=False).example(
+        _same_question(1)[0], r.rng(0, 0)
+    )
+    (g,) = batches.group_rows([lone])
+    assert len(g.prefix) <= len(lone.prefix) + min(lone.rows[0].markers)
+    assert batches.pack([lone])[0]["marked_ER"].sum() == 1
+
+
+def modeb_key():
+    from lev_jax.readout import modeb
+
+    return modeb.HEAD_KEY
+
+
+def test_mode_b_options_samples_the_gold_and_others_per_epoch(bb):
+    """`mode_b_options`: a marked training row lists that many options, always the gold, the
+    others drawn per (seed, epoch, record), the target on the gold; 0 lists every option."""
+    kw = {"mode_b": True, "mode_b_min_options": 4, "layout": "schema_first", "option_averaging": False}
+    planner = Planner(bb.tokenizer, **kw)
+    rec = _same_question(4)[3]  # gold: intent_3
+    r = batches.Renderer(planner, seed=0, mode_b_options=5, mode_b_joint=False)
+    seen = set()
+    for epoch in range(6):
+        ex = r.example(rec, r.rng(epoch, 3))
+        (row,), (levels,), (target,) = ex.rows, ex.levels, ex.targets
+        assert len(row.markers) == 5 and len(levels) == 5 and 3 in levels
+        assert target[levels.index(3)] == 1.0 and target.sum() == pytest.approx(1.0)
+        seen.add(frozenset(levels))
+        assert ex.rows == r.example(rec, r.rng(epoch, 3)).rows  # seeded: the same on resume
+    assert len(seen) > 1
+    full = batches.Renderer(planner, seed=0, mode_b_joint=False).example(rec, r.rng(0, 3))
+    assert sorted(full.levels[0]) == list(range(12)) and len(full.rows[0].tokens) > len(row.tokens)
+    with pytest.raises(config.ConfigError, match="mode_b_options"):
+        config.resolve("tiny", {"mode_b": True, "mode_b_options": 1})

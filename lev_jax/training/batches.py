@@ -10,8 +10,9 @@ exactly the token rows and label codes it is served:
   winners (`planner.winners_readout`: the gold for its group, a seeded random member of every other
   group standing in for that group's winner);
 * a Mode B choice (a planner with a head routes it there: `readout.route`): its marked row, the
-  options in a seeded random order (the head must not learn positions), and with `mode_b_joint`
-  also its Mode A rows as above (the fallback stays trained, and A and B can be compared);
+  options in a seeded random order (the head must not learn positions; with `mode_b_options` a
+  sampled subset holding the target's options), and with `mode_b_joint` also its Mode A rows as
+  above (the fallback stays trained, and A and B can be compared);
 * a score: its one row (ordinal loss on);
 * a noul: the binary rows (target P(yes) = the rating target's expectation) or the 0..8 rating row
   (ordinal loss on), whichever `noul_readout` predict() serves.
@@ -75,6 +76,13 @@ def _normalised(p: np.ndarray) -> np.ndarray:
     return p / s if s > 0 else np.full(len(p), 1.0 / len(p))
 
 
+def _normalised_on(dist: np.ndarray, subset: Sequence[int]) -> np.ndarray:
+    """`dist` restricted to `subset` (zero elsewhere) and renormalised there."""
+    out = np.zeros(len(dist), np.float64)
+    out[list(subset)] = _normalised(np.asarray(dist, np.float64)[list(subset)])
+    return out
+
+
 def _rows_of(ro, target_n: np.ndarray, ordinal: bool, ex: Example) -> None:
     """Add a readout's rows to `ex`, its candidate-order target mapped to each row's code order."""
     for row, m in zip(ro.rows, ro.maps):
@@ -96,12 +104,14 @@ class Renderer:
         round2: bool = True,
         max_tokens: int | None = None,
         mode_b_joint: bool = True,
+        mode_b_options: int = 0,
     ):
         self.planner = planner
         self.seed = seed
         self.round2 = round2
         self.max_tokens = max_tokens
         self.mode_b_joint = mode_b_joint
+        self.mode_b_options = mode_b_options
 
     def example(self, record: Mapping[str, Any], rng: np.random.Generator) -> Example | None:
         """The record's rows, or None when its prefix + longest row exceeds `max_tokens`."""
@@ -119,8 +129,8 @@ class Renderer:
             else:
                 _rows_of(ro, dist, True, ex)
         elif qp.route == MODE_B:
-            order = [int(i) for i in rng.permutation(qp.readouts[0].n)]
-            _rows_of(p.marked_readout(text, qp.question, order), dist, False, ex)
+            order = self.marked_order(dist, rng)
+            _rows_of(p.marked_readout(text, qp.question, order), _normalised_on(dist, order), False, ex)
             if self.mode_b_joint:
                 self.mode_a_rows(p.question(text, "q", record["question"], allow_b=False), text, dist, rng, ex)
         else:
@@ -128,6 +138,18 @@ class Renderer:
         if self.max_tokens is not None and ex.longest > self.max_tokens:
             return None
         return ex
+
+    def marked_order(self, dist: np.ndarray, rng: np.random.Generator) -> list[int]:
+        """The options of a Mode B training row, in a seeded random order: all of them, or with
+        `mode_b_options` > 0 that many: the options the target gives most mass to (the gold), then
+        others drawn at random (the target renormalised over them). The head scores each marker
+        alone and the softmax runs over the row's candidates, so a sampled row trains the same head
+        on a row a fraction as long (a 150-option row is ~500 tokens: most of a Mode B step's work)."""
+        n = len(dist)
+        if 0 < self.mode_b_options < n:
+            ranked = np.lexsort((rng.random(n), -dist))  # most mass first, ties in random order
+            return [int(i) for i in rng.permutation(ranked[: self.mode_b_options])]
+        return [int(i) for i in rng.permutation(n)]
 
     def mode_a_rows(self, qp, text: str, dist: np.ndarray, rng: np.random.Generator, ex: Example) -> None:
         """A choice or score read with label codes: its readout's rows, or a grouped choice's round 1
@@ -193,16 +215,31 @@ def group_rows(examples: Sequence[Example]) -> list[Group]:
     the joined group computes the common prefix once, but every row then carries what it no longer
     shares (with the schema first and question-grouped batches every example of a question joins,
     the whole question computed once; states that share only the system header stay apart, their
-    state computed once for both option orders). Each row keeps >= 1 token of its own."""
-    per_example = []
+    state computed once for both option orders). Each row keeps >= 1 token of its own.
+
+    Mode B (marked) rows and Mode A rows never share a group: with the schema first
+    the marked row carries the state before its options, so it shares only the question's opening
+    with the Mode A rows, and kept together they would make every Mode A row carry the whole
+    question; apart, the Mode A rows of a question-grouped batch join over the question. A marked
+    unit's shared prefix stops before its first marker (the head reads the markers in the rows)."""
+    units = []
     for e, ex in enumerate(examples):
-        seqs = [ex.prefix + r.tokens for r in ex.rows]
-        shared = min(len(_common(seqs)), min(len(q) for q in seqs) - 1)
-        per_example.append((seqs[0][:shared], shared, [(q, e, i) for i, q in enumerate(seqs)]))
-    per_example.sort(key=lambda g: g[0])
+        kinds: dict[bool, list[int]] = {}
+        for i, r in enumerate(ex.rows):
+            kinds.setdefault(r.markers is not None, []).append(i)
+        for marked, idx in kinds.items():
+            seqs = [ex.prefix + ex.rows[i].tokens for i in idx]
+            shared = min(len(_common(seqs)), min(len(q) for q in seqs) - 1)
+            if marked:
+                shared = min(shared, len(ex.prefix) + min(min(ex.rows[i].markers, default=0) for i in idx))
+            units.append((marked, seqs[0][:shared], shared, [(q, e, i) for q, i in zip(seqs, idx)]))
+    units.sort(key=lambda g: (g[0], g[1]))
     groups: list[tuple[list[int], int, list]] = []  # (a member's tokens, shared length, members)
-    for first, shared, members in per_example:
-        if groups:
+    kinds_of: list[bool] = []
+    for marked, first, shared, members in units:
+        # never across kinds: greedily, one question's first Mode A row would join the marked rows
+        # over the question's opening, and the rest of its Mode A rows follow it there
+        if groups and kinds_of[-1] == marked:
             g_first, g_shared, g_members = groups[-1]
             joined = min(g_shared, shared, _lcp(g_first, first))
             apart = _tokens(g_shared, g_members) + _tokens(shared, members)
@@ -210,6 +247,7 @@ def group_rows(examples: Sequence[Example]) -> list[Group]:
                 groups[-1] = (g_first, joined, g_members + members)
                 continue
         groups.append((first, shared, members))
+        kinds_of.append(marked)
     return [Group(first[:shared], [(e, i, q[shared:]) for q, e, i in members]) for first, shared, members in groups]
 
 
@@ -230,6 +268,24 @@ def _fit(n: int, sizes: Sequence[int], floor: int = 1, multiple: int = 1) -> int
     return -(-size // multiple) * multiple
 
 
+MARKED_PART = "marked:"  # key prefix of a batch's second part: the groups of Mode B rows
+
+
+def layout(examples: Sequence[Example], *, shared: bool = True) -> list[list[Group]]:
+    """The groups of a step in the parts `pack` lays them out in: one part, or with Mode B rows
+    beside Mode A rows two -- the groups holding marked rows apart, so each part is padded to its own
+    row count and lengths (a question's Mode A rows are its short states after the shared question;
+    its marked rows carry the options: in one part every Mode A row would be padded to a marked
+    row's length). `shared=False` gives every row its own group over its example's state prefix (no
+    sharing: the reference the shared computation must equal)."""
+    if not shared:
+        return [[Group(ex.prefix, [(e, i, r.tokens)]) for e, ex in enumerate(examples) for i, r in enumerate(ex.rows)]]
+    groups = group_rows(examples)
+    marked = [any(examples[e].rows[i].markers is not None for e, i, _ in g.rows) for g in groups]
+    parts = [[g for g, m in zip(groups, marked) if not m], [g for g, m in zip(groups, marked) if m]]
+    return [p for p in parts if p]
+
+
 def pack(
     examples: Sequence[Example], *, multiple: int = 1, min_length: int = 16, shared: bool = True
 ) -> tuple[dict[str, np.ndarray], int]:
@@ -238,22 +294,47 @@ def pack(
     split over; lengths at least `min_length`). Keys: prefix_EP, prefix_valid_EP and, per group row,
     tokens_ERT, valid_ERT, answer_ER, label_ids_ERC, markers_ERC and marked_ER (Mode B rows),
     target_ERC, valid_ERC (real codes or markers), level_ERC, ordinal_ER, mode_ER, weight_ER (0 for
-    padding rows; padding groups have no valid token).
-    Also returns the real tokens the step puts through the model (each prefix once, every suffix).
-    `shared=False` gives every row its own group over its example's state prefix (no sharing: the
-    reference the shared computation must equal)."""
+    padding rows; padding groups have no valid token). Where `layout` makes two parts, the second
+    (the Mode B groups) has the same keys prefixed with MARKED_PART (`parts` splits them again; both
+    parts share C). Also returns the real tokens the step puts through the model (each prefix once,
+    every suffix)."""
     if not examples:
         raise ValueError("a step needs at least one example")
-    groups = (
-        group_rows(examples)
-        if shared
-        else [Group(ex.prefix, [(e, i, r.tokens)]) for e, ex in enumerate(examples) for i, r in enumerate(ex.rows)]
-    )
+    groups = layout(examples, shared=shared)
+    C = _fit(max(r.width for ex in examples for r in ex.rows), CODES, MIN_CODES)
+    out = {}
+    for part, prefix in zip(groups, ("", MARKED_PART)):
+        out.update({prefix + k: v for k, v in _arrays(examples, part, C, multiple, min_length).items()})
+    tokens = sum(len(g.prefix) + sum(len(t) for _, _, t in g.rows) for part in groups for g in part)
+    return out, tokens
+
+
+def parts(batch: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A packed batch's parts (`pack`): the first, and the Mode B part where there is one, each with
+    the unprefixed keys."""
+    main = {k: v for k, v in batch.items() if not k.startswith(MARKED_PART)}
+    marked = {k[len(MARKED_PART) :]: v for k, v in batch.items() if k.startswith(MARKED_PART)}
+    return [main, marked] if marked else [main]
+
+
+def row_positions(examples: Sequence[Example], batch: Mapping[str, Any]) -> dict[tuple[int, int], int]:
+    """{(example index, row index): its index in the flat rows of `pack(examples)`'s batch (the parts'
+    E*R rows one after another, as `flat_rows` and the step's scores lay them out)}."""
+    out, base = {}, 0
+    for part, arrays in zip(layout(examples), parts(batch)):
+        R = arrays["tokens_ERT"].shape[1]
+        for g_i, g in enumerate(part):
+            for r_i, (e, i, _) in enumerate(g.rows):
+                out[(e, i)] = base + g_i * R + r_i
+        base += arrays["answer_ER"].size
+    return out
+
+
+def _arrays(examples: Sequence[Example], groups: Sequence[Group], C: int, multiple: int, min_length: int) -> dict:
     E = _fit(len(groups), ROWS, multiple, multiple)
     R = _fit(max(len(g.rows) for g in groups), ROWS, MIN_ROWS)
     P = _fit(max(len(g.prefix) for g in groups), LENGTHS, min_length)
     T = _fit(max(len(t) for g in groups for _, _, t in g.rows), LENGTHS, min_length)
-    C = _fit(max(r.width for ex in examples for r in ex.rows), CODES, MIN_CODES)
     prefix_EP, prefix_valid_EP = pack_prefixes([g.prefix for g in groups], E, P)
     out = {
         "prefix_EP": prefix_EP,
@@ -285,7 +366,7 @@ def pack(
             out["ordinal_ER"][g_i, r_i] = ex.ordinal[i]
             out["mode_ER"][g_i, r_i] = ex.modes[i]
             out["weight_ER"][g_i, r_i] = 1.0
-    return out, sum(len(g.prefix) + sum(len(t) for _, _, t in g.rows) for g in groups)
+    return out
 
 
 def question_keys(data_dir, split: str = "train") -> list[str]:
@@ -367,7 +448,10 @@ def keyed_iterator(
 
 def flat_rows(batch: Mapping[str, Any]) -> dict[str, Any]:
     """The per-row arrays of a packed batch with groups and rows flattened ([E, R, ...] -> [E*R, ...])
-    under the loss's names (target_BC, valid_BC, level_BC, ordinal_B, mode_B, weight_B)."""
+    under the loss's names (target_BC, valid_BC, level_BC, ordinal_B, mode_B, weight_B); a batch of
+    two parts (`pack`) gives the first part's rows, then the second's."""
+    import jax.numpy as jnp
+
     names = {
         "target_ERC": "target_BC",
         "valid_ERC": "valid_BC",
@@ -376,4 +460,10 @@ def flat_rows(batch: Mapping[str, Any]) -> dict[str, Any]:
         "mode_ER": "mode_B",
         "weight_ER": "weight_B",
     }
-    return {new: batch[old].reshape((-1,) + tuple(batch[old].shape[2:])) for old, new in names.items()}
+    per_part = [
+        {new: part[old].reshape((-1,) + tuple(part[old].shape[2:])) for old, new in names.items()}
+        for part in parts(batch)
+    ]
+    if len(per_part) == 1:
+        return per_part[0]
+    return {k: jnp.concatenate([p[k] for p in per_part]) for k in per_part[0]}

@@ -62,6 +62,10 @@ class TrainConfig:
     mode_b: bool = False
     mode_b_min_options: int = domain.MODE_B_MIN_OPTIONS
     mode_b_joint: bool = True  # a Mode B example also trains its Mode A rows (the fallback, and A-vs-B agreement)
+    # > 0: a Mode B training row lists that many options (the gold and others drawn at random), not
+    # all of them; serving still reads every option in one row. The cost of a step follows the row
+    # length; what the sampled rows cost in accuracy on full rows is measured in EVAL.md
+    mode_b_options: int = 0
     # False: only the heads learn, the adapter stays as restored (a Mode B stage that costs a forward
     # per step, not a backward through the backbone: a head for a Mode A run where compute is scarce)
     train_adapter: bool = True
@@ -159,6 +163,10 @@ class TrainConfig:
                 "exits train in a stage over a restored run with the adapter frozen: add --set train_adapter=false",
             ),
             (not (self.exits and self.mode_b), "exits read Mode A rows: a run trains them without --mode-b"),
+            (
+                self.mode_b_options == 0 or self.mode_b_options >= domain.CHOICE_OPTIONS[0],
+                f"mode_b_options must be 0 (every option) or >= {domain.CHOICE_OPTIONS[0]}",
+            ),
             (self.rows_per_call >= 0, "rows_per_call must be >= 0 (0 = all of a group's rows at once)"),
             (self.steps >= 1, "steps must be >= 1"),
             (self.batch_size >= 1, "batch_size must be >= 1"),

@@ -170,16 +170,21 @@ class Trainer:
         and the Mode B head's scores for marked rows. With exits: {depth: [E*R, C]} label logits at
         each exit (the rows run to the deepest exit only)."""
         _, head, exits = parts(trainable)
-        return group_scores(
-            self.params(trainable, frozen),
-            head,
-            batch,
-            self.model_cfg,
-            remat=self.cfg.remat,
-            rows_per_call=self.cfg.rows_per_call,
-            exits=exits,
-            exit_depths=self.read_depths,
-        )
+        params = self.params(trainable, frozen)
+        scores = [
+            group_scores(
+                params,
+                head,
+                part,
+                self.model_cfg,
+                remat=self.cfg.remat,
+                rows_per_call=self.cfg.rows_per_call,
+                exits=exits,
+                exit_depths=self.read_depths,
+            )
+            for part in batches.parts(batch)  # a batch's Mode B groups are their own part (batches.pack)
+        ]
+        return scores[0] if len(scores) == 1 else jax.tree.map(lambda *x: jnp.concatenate(x), *scores)
 
     @property
     def read_depths(self) -> tuple[int, ...]:
@@ -478,6 +483,7 @@ def train(
         max_tokens=cfg.max_tokens,
         # Mode A rows train the adapter: with it frozen they would cost a forward and teach nothing
         mode_b_joint=cfg.mode_b_joint and cfg.train_adapter,
+        mode_b_options=cfg.mode_b_options,
     )
     it = data_iterator(cfg, data_dir, renderer)
     trainer = Trainer(cfg, backbone, mesh)

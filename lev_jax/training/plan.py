@@ -250,7 +250,10 @@ def data_tokens(cfg: TrainConfig, data_dir: Path | None) -> DataTokens:
     if cfg.mode_b:
         n = _option_counts(Path(data_dir), keep)
         routed = n >= cfg.mode_b_min_options
-        b_rows, marked = routed.astype(np.float64), row + MARKED_OPTION_TOKENS * n
+        k = np.minimum(n, cfg.mode_b_options) if cfg.mode_b_options else n
+        # a sampled row (mode_b_options) lists k of the n options: the options are most of a large
+        # choice's words, so its words scale by k / n
+        b_rows, marked = routed.astype(np.float64), row * k / np.maximum(n, 1) + MARKED_OPTION_TOKENS * k
         if not (cfg.mode_b_joint and cfg.train_adapter):
             a_rows = np.where(routed, 0.0, per)
         note = f", {int(routed.sum()):,} routed to Mode B"

@@ -111,7 +111,7 @@ class Trainer:
             raise TrainingError(
                 f"exits={cfg.exits!r} names no layer below the model's {backbone.config.num_hidden_layers}"
             )
-        self._step_fn = None
+        self._step_fns: dict = {}  # per batch layout (one part, or with Mode B rows two: batches.pack)
 
     # -- state -------------------------------------------------------------------------------------
     def init_state(self) -> dict:
@@ -250,17 +250,18 @@ class Trainer:
         return {"trainable": trainable, "opt_state": opt_state, "train": {"step": step + 1, "rng": rng}}, metrics
 
     def step(self, state, batch):
-        if self._step_fn is None:
+        layout = tuple(sorted(batch))
+        if layout not in self._step_fns:
             rep = mesh_lib.replicated(self.mesh)
             state_sh = self.state_shardings(state)
             batch_sh = {k: mesh_lib.batch_sharding(self.mesh, v.ndim) for k, v in batch.items()}
-            self._step_fn = jax.jit(
+            self._step_fns[layout] = jax.jit(
                 self._step,
                 in_shardings=(state_sh, self.frozen_sh, batch_sh),
                 out_shardings=(state_sh, rep),
                 donate_argnums=(0,),
             )
-        return self._step_fn(state, self.frozen, batch)
+        return self._step_fns[layout](state, self.frozen, batch)
 
     def put_batch(self, arrays: dict[str, np.ndarray]) -> dict:
         """Host arrays -> global device arrays, groups split over the batch axes (each process

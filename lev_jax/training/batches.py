@@ -144,7 +144,8 @@ class Renderer:
         `mode_b_options` > 0 that many: the options the target gives most mass to (the gold), then
         others drawn at random (the target renormalised over them). The head scores each marker
         alone and the softmax runs over the row's candidates, so a sampled row trains the same head
-        on a row a fraction as long (a 150-option row is ~500 tokens: most of a Mode B step's work)."""
+        on a row a fraction as long (a 150-option row with the schema first is ~1,000 tokens: most of a
+        Mode B step's work)."""
         n = len(dist)
         if 0 < self.mode_b_options < n:
             ranked = np.lexsort((rng.random(n), -dist))  # most mass first, ties in random order

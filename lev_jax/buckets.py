@@ -33,6 +33,11 @@ SUFFIX = geometric(8, 32768, 8)
 # falls on a fraction of the row
 TAIL = geometric(32, PREFILL_CHUNK, 2)
 ROWS = geometric(1, 512, 2)
+# a call of several rows (a micro-batch's requests asking one question, a request's questions) has
+# a shape that depends on which rows happen to meet: every (rows, longest row) pair is a program, so
+# such calls take coarser sizes (at most half padding) and a few programs serve the combinations
+STACKED_ROWS = geometric(1, 512, 1)
+STACKED_SUFFIX = geometric(8, 32768, 2)
 # the verification path (one independent full forward per row, `reference=True`) pads each sequence on
 # the right to a power of two: causal, so the padding cannot reach the row's tokens, and verifying a
 # request's many rows of different lengths then compiles a handful of programs, not one per length

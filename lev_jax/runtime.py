@@ -25,6 +25,11 @@ log = logging.getLogger("lev_jax")
 CACHE_ENV = "LEV_JAX_CACHE"  # persistent compilation cache directory ("" disables it)
 DTYPE_ENV = "LEV_JAX_DTYPE"  # what dtype="auto" means in this process (float32 / bfloat16), if set
 DTYPES = ("auto", "float32", "bfloat16")
+# How far one request's answer may move with the calls it is read in (alone, or in a micro-batch
+# with others: other row counts and length buckets), per dtype. In fp32 the numbers do not depend on
+# the call's shapes beyond rounding noise; in bf16 the matmuls' rounding follows the shapes, and the
+# bound is the one bf16 answers keep to fp32's (tests/test_predict.py, EVAL.md).
+ANSWER_TOLERANCE = {"float32": 1e-5, "bfloat16": 0.03}
 # CPU features (Linux /proc/cpuinfo flags) that multiply bf16 natively
 NATIVE_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 

@@ -1,11 +1,13 @@
-"""scripts/bench_options.py and scripts/bench_cold_start.py: argument parsing and the pure helpers (no
-timings asserted), and bench_options end to end on a tiny random checkpoint with N = 2."""
+"""scripts/bench_options.py, bench_cold_start.py and bench_microbatch.py: argument parsing and the pure
+helpers (no timings asserted), and bench_options and bench_microbatch end to end on a tiny random
+checkpoint."""
 
 import json
 
 import pytest
 
 from scripts import bench_cold_start as C
+from scripts import bench_microbatch as M
 from scripts import bench_options as O
 
 # --------------------------------------------------------------------------- bench_options
@@ -123,6 +125,22 @@ def test_bench_options_end_to_end_on_a_tiny_model(tmp_path, capsys, monkeypatch)
     # another question of the same shape: measured, with what it compiled (a count, not a timing)
     assert r["new_question_s"] > 0 and r["new_question_tokens"] > 0 and r["new_question_programs"] >= 0
     assert "N=  2" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- bench_microbatch
+
+
+def test_bench_microbatch_end_to_end_on_a_tiny_model(tmp_path, capsys):
+    from lev_jax.testing import save_tiny_checkpoint
+
+    model = save_tiny_checkpoint(tmp_path / "tiny")
+    assert M.main(["--model", str(model), "--sizes", "2", "--dtypes", "float32", "--repeats", "1"]) == 0
+    row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| float32 |")]
+    (cells,) = [[c.strip() for c in line.strip("|").split("|")] for line in row]
+    assert cells[1] == "2" and float(cells[2]) > 0 and float(cells[3]) > 0 and cells[4].endswith("x")
+    assert float(cells[5]) <= 1e-5  # fp32: the micro-batch answers as the requests alone do
+    with pytest.raises(SystemExit):
+        M.main(["--sizes", "9"])  # more requests than the load test has tickets
 
 
 # --------------------------------------------------------------------------- bench_cold_start

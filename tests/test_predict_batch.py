@@ -198,3 +198,45 @@ def test_attend_reads_a_stacked_cache_by_row_index():
         np.testing.assert_allclose(np.asarray(got)[real], np.asarray(copies)[real], atol=2e-6)
     loud = np.asarray(fn(q, k, v, valid, 60.0 * ck, cv, cache_valid, scale=1.0, anchored=True, cache_rows_B=rows))
     assert (~np.isfinite(loud).all(axis=(2, 3)) & real).any()
+
+
+def test_schema_first_requests_asking_the_same_questions_share_calls(monkeypatch):
+    """Schema first (the shipped default's layout), each question before the state is a lead that joins
+    the prefix: the requests of a micro-batch asking it are read after one cache of it, their rows in
+    the same calls, and every answer equals the request alone and independent full forwards.
+    `batch_programs` names exactly what the batch compiles."""
+    bb = tiny_backbone("llama", seed=1)
+    bb.config = dataclasses.replace(bb.config, rope_theta=bb.config.rope_theta + 0.5)  # programs of its own
+    engine = lev_jax.Engine(bb, layout="schema_first", prefix_cache_bytes=0)
+    states = [STATE, {**STATE, "customer": "Bob Ray"}, {**STATE, "message": "Where is my parcel?"}]
+    requests = [(s, _questions()) for s in states]
+    plans = [engine.plan(*r) for r in requests]
+    assert all(r.stateless for p in plans for r in p.rows)
+    keys = engine.executor.batch_programs([(p.prefix_ids, p.rows) for p in plans])
+    calls = []
+    read_rows = logits_lib.read_rows
+
+    def spy(*args, **kwargs):
+        calls.append(args[5].shape[0])  # rows in the call (label ids [B, C])
+        return read_rows(*args, **kwargs)
+
+    spy._cache_size = read_rows._cache_size  # engine.compiled_programs still counts the real program
+    monkeypatch.setattr(logits_lib, "read_rows", spy)
+    before = engine.compiled_programs
+    batch = engine.predict_many(requests, with_usage=True)
+    assert engine.compiled_programs - before == len(keys)
+    # one call per lead (a question, or one presentation order of a choice), each reading that lead's
+    # row of all three requests (one call per lead per request when each was read alone)
+    leads = {tuple(plans[0].prefix_ids) + tuple(r.tokens[: r.stateless]) for r in plans[0].rows}
+    assert len(leads) >= 3 and len(calls) == len(leads) and all(n >= 3 for n in calls)
+    monkeypatch.undo()
+    leads = [len(lead) for lead in leads]
+    usages = [u for _, u in batch]
+    assert usages[0]["cached_input_tokens"] == 0  # the first request computed the leads
+    assert usages[1]["cached_input_tokens"] == usages[2]["cached_input_tokens"] == sum(leads)
+    for (state, questions), (answers, usage) in zip(requests, batch):
+        _check_well_formed(answers)
+        alone, alone_usage = engine.predict_with_usage(state, questions)
+        _assert_close(answers, alone)
+        assert usage["input_tokens"] == alone_usage["input_tokens"]
+        _assert_close(answers, engine.predict(state, questions, reference=True))

@@ -6,11 +6,13 @@ under load equal answers alone, and clients that honour Retry-After all get thei
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 
 import lev_jax
-from lev_jax.bench.loadtest import check_loopback, markdown, run_load, same_answers
+from lev_jax import runtime
+from lev_jax.bench.loadtest import answer_difference, check_loopback, markdown, run_load, same_answers
 from lev_jax.server import ServerConfig, create_app
 from lev_jax.server.testing import ThreadServer
 from lev_jax.testing import save_tiny_checkpoint
@@ -72,4 +74,9 @@ def test_answer_comparison():
     assert same_answers(a, a)
     b = {"q": {**a["q"], "probabilities": {"A": 0.59, "B": 0.41}}}
     assert not same_answers(a, b)
-    assert not same_answers(a, {"r": a["q"]})
+    assert answer_difference(a, b) == pytest.approx(0.01)
+    assert same_answers(a, b, tol=runtime.ANSWER_TOLERANCE["bfloat16"])  # bf16: rounding follows the call
+    assert not same_answers(a, {"r": a["q"]}) and answer_difference(a, {"r": a["q"]}) == math.inf
+    # another winner: as far apart as the margin between the two in the first answer
+    flipped = {"q": {**a["q"], "choice": "B", "probabilities": {"A": 0.5, "B": 0.5}}}
+    assert answer_difference(a, flipped) == pytest.approx(0.2)

@@ -79,6 +79,41 @@ def test_a_request_that_compiles_does_not_stall_ready_ones():
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_requests_that_each_need_new_programs_compile_side_by_side(lanes):
+    class Timed(Device):
+        def __call__(self, requests):
+            start = time.perf_counter()
+            out = super().__call__(requests)
+            spans[requests[0][0]] = (start, time.perf_counter())
+            return out
+
+    spans: dict[str, tuple[float, float]] = {}
+
+    async def main():
+        dev = Timed(compile_s=0.5)
+        s = Scheduler(dev, ready=dev.ready, compile_lanes=lanes)
+        await s.start()
+        cold = [s.submit(f"cold-{i}", {}, 10) for i in range(2)]
+        await asyncio.sleep(0.05)
+        warm = s.submit("warm", {}, 10)
+        assert (await warm.future) == {"echo": "warm"}
+        assert not any(t.future.done() for t in cold)  # ready work never waits for the compile lane
+        assert [await t.future for t in cold] == [{"echo": "cold-0"}, {"echo": "cold-1"}]
+        assert s.cold_runs == 2
+        await s.drain(5)
+
+    asyncio.run(main())
+    (a0, a1), (b0, b1) = spans["cold-0"], spans["cold-1"]
+    overlap = min(a1, b1) > max(a0, b0)
+    assert overlap == (lanes == 2)  # two lanes compile side by side; one lane, one after the other
+
+
+def test_compile_lanes_must_be_positive():
+    with pytest.raises(ValueError, match="compile_lanes"):
+        Scheduler(Device(), compile_lanes=0)
+
+
 def test_a_new_combination_of_ready_requests_runs_one_by_one_and_compiles_in_the_background():
     async def main():
         dev = Device(compile_s=0.5)

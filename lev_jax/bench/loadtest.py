@@ -46,7 +46,10 @@ programs compiled and the compile-lane counters' change, so who paid which compi
 Afterwards every c8 answer is asked again alone and must be the same.
 
 Checks, printed as PASS/FAIL lines after the JSON report (exit code 1 when one fails): none lost and
-every 200 equal to its answer alone (phases 0, 2, 3), `after_ready_c8_vs_serial` >= 1.0 and
+every 200 equal to its answer alone (phases 0, 2, 3) within the served dtype's tolerance
+(`runtime.ANSWER_TOLERANCE`: 1e-5 in fp32; in bf16 rounding follows the shapes of the calls a request
+is read in, alone or stacked with others; the report keeps the largest difference seen per phase),
+`after_ready_c8_vs_serial` >= 1.0 and
 `warm_c8_vs_serial` >= 1.5 (`--min-after-ready`, `--min-warm`). `--markdown` adds a table for
 BENCHMARKS.md. `run_load` is the same load test as a coroutine (tests/test_serve_load.py runs it
 in-process).
@@ -67,6 +70,8 @@ import time
 from urllib.parse import urlparse
 
 import httpx
+
+from lev_jax import runtime
 
 AFTER_READY_TARGET = 1.0  # after ready: concurrency-8 throughput / serial throughput, at least
 WARM_TARGET = 1.5  # warm: concurrency-8 throughput / serial throughput, at least
@@ -115,7 +120,9 @@ def payloads(n_distinct: int) -> list[dict]:
 # The after-ready phase's two halves of fresh shapes: the 8 tickets as they are (half A), and with this
 # sentence appended (half B), which moves each ticket two or three prefix buckets up: with the SmolLM2
 # tokenizer and the chat prompt, A's prefixes fall in buckets 56/64/72 and B's in 80/88/96, so the two
-# halves need disjoint, equally many single-request programs.
+# halves need disjoint single-request programs (equally many with the state first; with the schema
+# first, the shipped default's layout, each ticket is a row after the question and the halves' row
+# buckets differ: 14 programs for A against 7 for B in a 2026-12-06 run, BENCHMARKS.md).
 HALVES = {"A": "", "B": " Please answer by email; I read it every afternoon and would like this settled this week."}
 
 
@@ -153,21 +160,34 @@ def percentile(xs: list[float], q: float) -> float | None:
     return xs[k]
 
 
-def same_answers(a: dict, b: dict, tol: float = 1e-5) -> bool:
+def answer_difference(a: dict, b: dict) -> float:
+    """The largest difference of any probability (or noul) between two answer sets; inf when they
+    differ in questions, types or option names, or name different choices more than that apart."""
     if a.keys() != b.keys():
-        return False
+        return math.inf
+    worst = 0.0
     for qid in a:
         x, y = a[qid], b[qid]
         if x.get("type") != y.get("type"):
-            return False
+            return math.inf
         vx = x.get("probabilities") or {"noul": x.get("noul")}
         vy = y.get("probabilities") or {"noul": y.get("noul")}
-        if vx.keys() != vy.keys() or any(abs(vx[k] - vy[k]) > tol for k in vx):
-            return False
+        if vx.keys() != vy.keys():
+            return math.inf
+        worst = max([worst] + [abs(vx[k] - vy[k]) for k in vx])
         if x.get("choice") is not None and x.get("choice") != y.get("choice"):
-            if abs(vx[x["choice"]] - vx[y["choice"]]) > tol:
-                return False
-    return True
+            # a tie broken the other way is fine; a different winner is as far apart as its margin
+            worst = max(worst, abs(vx[x["choice"]] - vx[y["choice"]]))
+    return worst
+
+
+def _finite(x: float) -> float | None:
+    """x for the JSON report; None for inf (answers that do not match in form)."""
+    return None if math.isinf(x) else x
+
+
+def same_answers(a: dict, b: dict, tol: float = runtime.ANSWER_TOLERANCE["float32"]) -> bool:
+    return answer_difference(a, b) <= tol
 
 
 class Load:
@@ -376,9 +396,15 @@ async def steady(load: Load, reqs: list[dict], concurrency: int, requests: int, 
     return result
 
 
-async def after_ready_phase(load: Load, requests: int, settle_quiet_s: float, failures: list[str]) -> dict:
+async def after_ready_phase(
+    load: Load,
+    requests: int,
+    settle_quiet_s: float,
+    failures: list[str],
+    tol: float = runtime.ANSWER_TOLERANCE["float32"],
+) -> dict:
     """The crossover of the module doc: c8 on A, serial on B, serial on A, c8 on B, on fresh states;
-    then every c8 answer asked again alone. Appends broken checks to `failures`."""
+    then every c8 answer asked again alone (equal within `tol`). Appends broken checks to `failures`."""
     first, second = requests - requests // 2, requests // 2
     plan = [("c8", "A", first), ("serial", "B", first), ("serial", "A", second), ("c8", "B", second)]
     run, counter = random.randrange(10000), itertools.count()
@@ -436,12 +462,13 @@ async def after_ready_phase(load: Load, requests: int, settle_quiet_s: float, fa
     # every concurrent answer must equal the same request's answer alone (serial answers are alone)
     answered = [r for r in kept["c8"] if r["status"] == 200]
     again = await load.alone([r["payload"] for r in answered])
-    differ = [
-        r["payload"]["state"]
+    gaps = [
+        answer_difference(r["answers"], a["answers"]) if a["status"] == 200 else math.inf
         for r, a in zip(answered, again, strict=True)
-        if a["status"] != 200 or not same_answers(r["answers"], a["answers"])
     ]
+    differ = [r["payload"]["state"] for r, gap in zip(answered, gaps) if gap > tol]
     summary["checked_alone"] = len(again)
+    summary["largest_difference_from_alone"] = _finite(max(gaps, default=0.0))
     if differ:
         failures.append(
             f"after_ready: {len(differ)} concurrency-8 answers differ from the same request alone (e.g. {differ[0]!r})"
@@ -510,7 +537,11 @@ async def run_load(
     load = Load(url, key, timeout, time.monotonic() + budget_s)
     if ready is None:
         failures.append(f"the server did not say ready within {ready_timeout_s:g}s")
-    elif after_ready:
+    # answers under load must equal the answer alone within the served dtype's tolerance
+    dtype = (ready or {}).get("dtype") or "float32"
+    tol = runtime.ANSWER_TOLERANCE.get(dtype, runtime.ANSWER_TOLERANCE["float32"])
+    report["answer_tolerance"] = {"dtype": dtype, "tolerance": tol}
+    if ready is not None and after_ready:
         report["after_ready"] = {
             "ready_s": round(time.monotonic() - spawned_at, 3) if spawned_at is not None else None,
             "ready_wait_s": round(waited, 3),
@@ -519,7 +550,7 @@ async def run_load(
             "compiled_programs_at_ready": ready.get("compiled_programs"),
         }
         n = requests if after_ready_requests is None else after_ready_requests
-        report["after_ready"] |= await after_ready_phase(load, n, settle_quiet_s, failures)
+        report["after_ready"] |= await after_ready_phase(load, n, settle_quiet_s, failures, tol)
         report["after_ready_c8_vs_serial"] = report["after_ready"]["c8_vs_serial"]
     report["ready_wait_s"] = round(time.monotonic() - t0, 3) if ready is None else round(waited, 3)
 
@@ -555,7 +586,9 @@ async def run_load(
         no_retry_after = [r for r in res if r["status"] in (429, 503) and not r.get("retry_after")]
         if no_retry_after:
             failures.append(f"{name}: {len(no_retry_after)} refusals without Retry-After")
-        differ = [r["i"] for r in ok if not same_answers(r["answers"], reference[r["i"] % distinct])]
+        gaps = [answer_difference(r["answers"], reference[r["i"] % distinct]) for r in ok]
+        summary["largest_difference_from_alone"] = _finite(max(gaps, default=0.0))
+        differ = [r["i"] for r, gap in zip(ok, gaps) if gap > tol]
         if differ:
             failures.append(
                 f"{name}: {len(differ)} answers under load differ from the answer alone (e.g. #{differ[0]})"
@@ -579,6 +612,11 @@ async def run_load(
     return _finish(report, failures, min_after_ready, min_warm, await get_health(load))
 
 
+def _tolerance(report: dict) -> str:
+    t = report.get("answer_tolerance") or {}
+    return f"within {t.get('tolerance', runtime.ANSWER_TOLERANCE['float32']):g}, {t.get('dtype', 'float32')}"
+
+
 def _finish(report: dict, failures: list[str], min_after_ready: float, min_warm: float, health: dict | None) -> dict:
     """Records the end-of-run /health counters and the PASS/FAIL checks."""
     health = health or {}
@@ -587,7 +625,7 @@ def _finish(report: dict, failures: list[str], min_after_ready: float, min_warm:
         k: health.get(k) for k in ("status", "warmup", "compiled_programs", "batches", "compilation_cache")
     }
     checks = [["FAIL", f] for f in failures] or [
-        ["PASS", "none lost; every 200 equals its answer alone; every refusal has Retry-After"]
+        ["PASS", f"none lost; every 200 equals its answer alone ({_tolerance(report)}); every refusal has Retry-After"]
     ]
     if "after_ready" in report:
         a = report["after_ready"]

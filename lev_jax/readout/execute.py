@@ -101,12 +101,14 @@ class Executor:
         order = sorted(range(len(rows)), key=lambda i: len(rows[i].tokens))
 
         def suffix(g):
-            return buckets.fit(max(len(rows[i].tokens) for i in g), buckets.SUFFIX, "question length")
+            sizes = buckets.SUFFIX if len(g) == 1 else buckets.STACKED_SUFFIX
+            return buckets.fit(max(len(rows[i].tokens) for i in g), sizes, "question length")
+
+        def batch(g):
+            return buckets.fit(len(g), buckets.STACKED_ROWS, "rows")
 
         def fits(g):
-            return len(g) == 1 or (
-                len(g) <= buckets.ROWS[-1] and buckets.fit(len(g), buckets.ROWS, "rows") * suffix(g) <= cap
-            )
+            return len(g) == 1 or (len(g) <= buckets.STACKED_ROWS[-1] and batch(g) * suffix(g) <= cap)
 
         groups, current = [], []
         for i in order:
@@ -123,7 +125,7 @@ class Executor:
         return [
             Call(
                 g,
-                buckets.fit(len(g), buckets.ROWS, "rows"),
+                batch(g),
                 suffix(g),
                 buckets.fit(max(rows[i].width for i in g), buckets.CODES, "label codes"),
                 any(rows[i].markers is not None for i in g),
@@ -177,6 +179,19 @@ class Executor:
             rest.append(r.after(r.stateless))
         return [(list(key), idx, rest) for key, (idx, rest) in groups.items()]
 
+    @classmethod
+    def stateless_batch(cls, entries) -> list[tuple[list[int], list[tuple[int, int]], list[Row]]]:
+        """`stateless_groups` over a micro-batch: rows of every entry with the same prefix + lead (one
+        question asked about several requests' states, schema first) form one group, read together
+        after one cache. Per group: (prefix_ids + lead, (entry, row) indices, the rows without it)."""
+        groups: dict[tuple, tuple[list[int], list[tuple[int, int]], list[Row]]] = {}
+        for e, (prefix_ids, rows) in enumerate(entries):
+            for key, idx, rest in cls.stateless_groups(prefix_ids, rows):
+                _, where, rows_of = groups.setdefault(tuple(key), (key, [], []))
+                where.extend((e, i) for i in idx)
+                rows_of.extend(rest)
+        return list(groups.values())
+
     def programs(self, prefix_ids: list[int], rows: list[Row]) -> set[tuple]:
         """The device programs (shape-bucket keys) reading `rows` after `prefix_ids` needs; a request
         whose keys were all seen before compiles nothing."""
@@ -214,7 +229,9 @@ class Executor:
         stacked prefixes and their common slot count; header segments as in `read_programs`) plus
         each prefix's prefill. A batch whose keys were all seen before compiles nothing (round 2 of
         a grouped choice aside)."""
-        if len(entries) == 1 or any(not p or any(r.stateless for r in rows) for p, rows in entries):
+        if any(r.stateless for _, rows in entries for r in rows):
+            return set().union(*(self.programs(key, rest) for key, _, rest in self.stateless_batch(entries)))
+        if len(entries) == 1 or any(not p for p, _ in entries):
             return set().union(*(self.programs(p, rows) for p, rows in entries))
         keys = set()
         per_call = buckets.ROWS[-1]
@@ -276,7 +293,7 @@ class Executor:
         (or taken from the cross-request cache), then all rows of all entries in as few batched
         calls as fit; several entries' prefixes are stacked and each row reads its own."""
         if any(r.stateless for _, rows in entries for r in rows):
-            return [self.read_stateless(p, rows, u) for (p, rows), u in zip(entries, usages)]
+            return self.read_stateless(entries, usages)
         caches = []
         for (prefix_ids, rows), usage in zip(entries, usages):
             cache, hit = self.prefix_cache(prefix_ids, None if usage.prefix_seen else usage)
@@ -298,16 +315,23 @@ class Executor:
             out.extend([next(it) for _ in rows] for _, rows in part)
         return out
 
-    def read_stateless(self, prefix_ids, rows: list[Row], usage: Usage) -> list[np.ndarray]:
+    def read_stateless(self, entries, usages) -> list[list[np.ndarray]]:
         """Rows whose state-independent lead joins the prefix (schema first): each distinct prefix +
-        lead computed once or taken from the cross-request cache, then the rest of its rows."""
-        out: list = [None] * len(rows)
-        for key, idx, rest in self.stateless_groups(prefix_ids, rows):
+        lead computed once or taken from the cross-request cache, then the rest of its rows -- of
+        every request of the micro-batch that asks it, in the same calls. A request counts the lead
+        as cached when an earlier request (or an earlier one in this batch) computed it."""
+        out: list = [[None] * len(rows) for _, rows in entries]
+        for key, where, rest in self.stateless_batch(entries):
             cache, hit = self.prefix_cache(key)
-            usage.processed += len(key) + sum(len(r.tokens) for r in rest)
-            usage.cached += len(key) if hit else 0
-            for i, logits in zip(idx, self.read_rows(cache, rest, None)):
-                out[i] = logits
+            seen: set[int] = set()
+            for (e, _), r in zip(where, rest):
+                if e not in seen:
+                    usages[e].processed += len(key)
+                    usages[e].cached += len(key) if hit or seen else 0
+                    seen.add(e)
+                usages[e].processed += len(r.tokens)
+            for (e, i), logits in zip(where, self.read_rows(cache, rest, None)):
+                out[e][i] = logits
         return out
 
     def read_reference(self, entries, usages) -> list[list[np.ndarray]]:

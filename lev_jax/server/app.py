@@ -143,6 +143,8 @@ def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> Fa
         metrics=metrics,
         # engines that know their compiled programs keep compiling requests out of the ready lane
         ready=getattr(engine, "ready", None),
+        # a compile is one host thread's work: as many side by side as the host has cores, up to 2
+        compile_lanes=max(1, min(2, os.cpu_count() or 1)),
     )
     shape_log = None
     if cfg.shape_log_dir and hasattr(engine, "warm"):

@@ -13,11 +13,15 @@ passed, is cancelled: dropped from the queue if it has not started, its result d
 
 Compilation never stalls ready work. With a `ready(requests)` predicate (the engine's: would running
 these requests together compile a new device program?), a request whose own programs are not compiled
-yet goes to a second lane with its own device thread, where it compiles and runs while the main lane
-keeps serving requests whose programs are ready. A batch of ready requests whose *combination* is new
-(stacked micro-batch shapes) runs its requests one by one in the main lane, and the second lane,
-when idle, compiles that combination in the background by running the same batch once more (its
-results are dropped), so the next such batch runs stacked.
+yet goes to the compile lane, with device threads of its own, where it compiles and runs while the
+main lane keeps serving requests whose programs are ready. The compile lane serves `compile_lanes`
+such requests at once (default 2): compiling a program is one host thread's work, so on a machine of
+two cores or more, requests that arrive together, each needing programs of its own (new states right
+after start-up), compile side by side instead of each waiting for all the compiles before its own.
+A batch of ready requests whose *combination* is new (stacked micro-batch shapes) runs its requests
+one by one in the main lane, and the compile lane, when idle, compiles that combination in the
+background by running the same batch once more (its results are dropped), so the next such batch
+runs stacked.
 """
 
 from __future__ import annotations
@@ -82,9 +86,10 @@ class Scheduler:
         batch_wait_s: float = 0.0,
         metrics=None,
         ready: Ready | None = None,
+        compile_lanes: int = 2,
     ):
-        if max_pending < 1 or max_batch_tokens < 1 or max_batch_rows < 1:
-            raise ValueError("max_pending, max_batch_tokens and max_batch_rows must be positive")
+        if max_pending < 1 or max_batch_tokens < 1 or max_batch_rows < 1 or compile_lanes < 1:
+            raise ValueError("max_pending, max_batch_tokens, max_batch_rows and compile_lanes must be positive")
         self.run_batch = run_batch
         self.max_pending = max_pending
         self.max_batch_tokens = max_batch_tokens
@@ -92,11 +97,12 @@ class Scheduler:
         self.batch_wait_s = batch_wait_s
         self.metrics = metrics
         self.ready = ready
+        self.compile_lanes = compile_lanes
         self._queue: collections.deque[Ticket] = collections.deque()
         # the compile lane: requests that need new programs, and batches to compile in the background
         self._cold: collections.deque[Ticket | list[Ticket]] = collections.deque()
         self._cold_wake: asyncio.Event | None = None
-        self._cold_worker: asyncio.Task | None = None
+        self._cold_workers: list[asyncio.Task] = []
         self._cold_executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.cold_runs = 0  # requests served in the compile lane
         self.background_compiles = 0  # micro-batch combinations compiled in the compile lane
@@ -122,9 +128,13 @@ class Scheduler:
         self._worker.add_done_callback(self._worker_done)
         if self.ready is not None:
             self._cold_wake = asyncio.Event()
-            self._cold_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lev-compile")
-            self._cold_worker = asyncio.create_task(self._cold_loop(), name="lev-compile-lane")
-            self._cold_worker.add_done_callback(self._worker_done)
+            self._cold_executor = concurrent.futures.ThreadPoolExecutor(
+                self.compile_lanes, thread_name_prefix="lev-compile"
+            )
+            for lane in range(self.compile_lanes):
+                task = asyncio.create_task(self._cold_loop(lane), name=f"lev-compile-lane-{lane}")
+                task.add_done_callback(self._worker_done)
+                self._cold_workers.append(task)
 
     def _worker_done(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -161,15 +171,15 @@ class Scheduler:
     async def stop(self, wait_s: float = STOP_WAIT_S) -> None:
         """Refuse and cancel what is queued; wait up to `wait_s` for a device call in flight."""
         self._closing = True
-        for attr in ("_worker", "_cold_worker"):
-            worker = getattr(self, attr)
+        workers = [self._worker, *self._cold_workers]
+        self._worker, self._cold_workers = None, []
+        for worker in workers:
             if worker is not None:
                 worker.cancel()
                 try:
                     await worker
                 except (asyncio.CancelledError, Exception):
                     pass
-                setattr(self, attr, None)
         for t in self._tickets():
             if not t.future.done():
                 t.future.set_exception(ShuttingDown())
@@ -302,12 +312,12 @@ class Scheduler:
                     self._cold_wake.set()
             await self._run(batch, self._executor, one_by_one=one_by_one)
 
-    async def _cold_loop(self) -> None:
-        """The compile lane: requests whose programs are new, one at a time, then background compiles
-        of micro-batch combinations (lowest priority)."""
+    async def _cold_loop(self, lane: int = 0) -> None:
+        """One lane of the compile lane: requests whose programs are new, one at a time; lane 0 also
+        runs the background compiles of micro-batch combinations (lowest priority, one at a time)."""
         while True:
             job = next((x for x in self._cold if isinstance(x, Ticket)), None)
-            if job is None:
+            if job is None and lane == 0:
                 job = next(iter(self._cold), None)
             if job is None:
                 self._cold_wake.clear()

@@ -386,3 +386,17 @@ def test_schema_first_computes_a_question_once_across_states(tiny):
     assert u2["cached_input_tokens"] >= question and u2["input_tokens"] - u2["cached_input_tokens"] < 40
     _assert_close(second, engine.predict("Shares fell sharply on Monday.", q, reference=True))
     _assert_close(first, engine.predict("The match ended in a draw.", q, reference=True))
+
+
+def test_calls_of_several_rows_take_the_coarse_stacked_buckets(tiny):
+    """Which rows meet in a call is chance (a micro-batch's requests): several rows take
+    `buckets.STACKED_ROWS` / `STACKED_SUFFIX`, so few programs serve the combinations; a row alone
+    keeps its exact `SUFFIX` bucket."""
+    qs = {f"n{i}": {"type": "noul", "instructions": f"Is fact number {i} true?"} for i in range(3)}
+    rows = tiny.plan("facts", qs).rows
+    (call,) = tiny.executor.calls(rows)
+    assert len(call.rows) == len(rows) >= 3
+    assert call.batch == buckets.fit(len(rows), buckets.STACKED_ROWS, "rows")
+    assert call.length == buckets.fit(max(len(r.tokens) for r in rows), buckets.STACKED_SUFFIX, "length")
+    (alone,) = tiny.executor.calls(rows[:1])
+    assert (alone.batch, alone.length) == (1, buckets.fit(len(rows[0].tokens), buckets.SUFFIX, "length"))

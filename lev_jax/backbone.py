@@ -9,20 +9,18 @@ bb.head(hidden, token_ids)                # only the head rows a readout needs
 
 from __future__ import annotations
 
-import functools
 import math
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lev_jax import buckets, models
+from lev_jax import buckets, models, programs
 from lev_jax.errors import CheckpointError
 from lev_jax.models import cache as cache_lib
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+@programs.program(("cfg",))
 def _logits(params, tokens_BT, valid_BT, cfg, embeds=None, embeds_mask=None, positions=None):
     hidden, _ = models.forward(
         params,
@@ -37,7 +35,7 @@ def _logits(params, tokens_BT, valid_BT, cfg, embeds=None, embeds_mask=None, pos
     return models.head_logits(params, hidden, cfg)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+@programs.program(("cfg",))
 def _extend(params, tokens_BT, valid_BT, readout_BR, cache, cfg, embeds=None, embeds_mask=None, positions=None):
     """A prefill chunk or an extension; `embeds`/`embeds_mask`/`positions` (multimodal prefixes:
     image features at their placeholders, 3-axis positions) are None for text, a separate program."""
@@ -54,14 +52,14 @@ def _extend(params, tokens_BT, valid_BT, readout_BR, cache, cfg, embeds=None, em
     )
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+@programs.program(("cfg",))
 def _head(params, hidden, token_ids, cfg):
     return models.head_logits(params, hidden, cfg, token_ids)
 
 
 def compiled_programs() -> int:
     """Prefill / extend programs compiled so far in this process."""
-    return _extend._cache_size()
+    return _extend.count()
 
 
 class Backbone:

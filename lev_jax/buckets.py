@@ -32,6 +32,11 @@ SUFFIX = geometric(8, 32768, 8)
 # a program per cache size and a long row's tail depends on where its text happens to end; the padding
 # falls on a fraction of the row
 TAIL = geometric(32, PREFILL_CHUNK, 2)
+# a long row's chunks grow the cache they extend to a multiple of this many slots: coarse enough that
+# every question shorter than it shares the chunk and tail programs, fine enough that a chunk does not
+# score hundreds of empty slots (a whole chunk's multiple cost a 512-token chunk after a short
+# question 1,024 slots, about twice a prefill of its tokens)
+LONG_ROW_SLOTS = 128
 ROWS = geometric(1, 512, 2)
 # a call of several rows (a micro-batch's requests asking one question, a request's questions) has
 # a shape that depends on which rows happen to meet: every (rows, longest row) pair is a program, so

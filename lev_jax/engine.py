@@ -425,6 +425,9 @@ class Engine:
             "compilation_cache": runtime.compilation_cache_dir(),
             "row_tokens_per_call": buckets.row_tokens_per_call(self.platform),
             "compiled_programs": self.compiled_programs,
+            # of this process's executables: compiled here, loaded from the store (programs.py); row
+            # reads a warm-up or background compile ran dry
+            "programs": programs.stats(),
             "buckets": {
                 "prefix": buckets.PREFIX,
                 "suffix": buckets.SUFFIX,

@@ -1,19 +1,49 @@
-"""Compiled programs and the process's memory-map limit.
+"""The device programs serving runs: compiled per argument shapes, kept on disk, compiled without running.
+
+`program` is `jax.jit` for the serving entry points (prefill, row reads, segments, long-row chunks,
+the elastic cascade, the vision tower), with the executables kept here per argument signature (the
+shapes and dtypes of the arguments and the static ones) rather than in jit's own cache, for two
+reasons:
+
+- **A restarted process loads an executable without tracing or lowering it.** JAX's persistent
+  cache keys a program by its lowered HLO, so a process that finds it there has still traced and
+  lowered the forward (30 unrolled layers: ~0.7 s of Python per program on the 2-core CPU) before
+  loading it (~0.5 s). Here a program's executable is stored next to that cache under a key of its
+  signature and of everything that could change the program without changing the signature (this
+  package's source, jax's version, the device, the CPU's features), so a later process only loads it.
+  Files are written atomically; one that cannot be read is deleted and the program compiled again.
+  (Like JAX's cache, a stored executable is machine code this process runs: the directory must be
+  the user's own.)
+- **A warm-up need not compute what it has run once** (`dry_run()`): under it, a program marked
+  `dry=True` (its outputs are only ever read as numbers or passed to other programs, never decide a
+  later program's shape) runs the first time a signature is called, because an executable's first
+  run costs ~0.3 s more than later ones (XLA:CPU), which would otherwise fall on the first request;
+  after that it returns ones of its output shapes instead of computing them. The others (a prefill,
+  whose cache position the next calls are shaped by) always run. A server's warm-up then costs its
+  compiles and one run of each program, not the compute of all its grid's requests.
 
 XLA:CPU loads every compiled program's machine code into memory regions of its own: a model
 program takes hundreds of entries of /proc/self/maps, and Linux refuses a process more than
 vm.max_map_count of them (65,530 by default). A long-lived process that keeps compiling new shapes
 (a test suite, a server seeing new bucket sizes for days, an evaluation sweep) would reach it, and
-XLA does not fail cleanly there: the next compile crashes the process. `guard()` frees JAX's
-compiled programs (`jax.clear_caches()`; they recompile on demand) before that happens.
+XLA does not fail cleanly there: the next compile crashes the process. `guard()` frees the compiled
+programs (these and JAX's own; they are loaded or compiled again on demand) before that happens.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import gc
+import hashlib
+import inspect
 import logging
+import os
+import pickle
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 log = logging.getLogger("lev_jax")
 
@@ -43,9 +73,12 @@ def maps_in_use() -> int | None:
 
 
 def free_compiled() -> None:
-    """Drop every compiled program JAX holds (they recompile when next called)."""
+    """Drop every compiled program this process holds, `program`'s and JAX's (loaded or compiled
+    again when next called)."""
     import jax
 
+    for p in list(_registry):
+        p.clear()
     jax.clear_caches()
     gc.collect()
 
@@ -71,3 +104,258 @@ def guard(*, force: bool = False, free_at: float = FREE_AT) -> bool:
         maps_in_use(),
     )
     return True
+
+
+# -- programs ---------------------------------------------------------------------------------------
+STORE_DIR = "lev_jax_programs"  # inside the persistent compilation cache's directory
+_registry: list[Program] = []
+_local = threading.local()
+_stats = {"compiled": 0, "loaded": 0, "jax_cache_hits": 0, "dry_calls": 0}
+_stats_lock = threading.Lock()
+_listening = False
+
+
+def _on_event(event: str, **_) -> None:
+    if event == "/jax/compilation_cache/cache_hits" and getattr(_local, "compiling", False):
+        _local.jax_cache_hit = True  # recorded in the compiling thread, during its compile
+
+
+def _listen() -> None:
+    global _listening
+    with _stats_lock:
+        if not _listening:
+            import jax.monitoring
+
+            jax.monitoring.register_event_listener(_on_event)
+            _listening = True
+
+
+@contextlib.contextmanager
+def dry_run():
+    """In this thread, `dry=True` programs compile (or load) and run once per signature as usual, and
+    then return ones of their output shapes instead of running: for a warm-up, whose answers nobody
+    reads."""
+    before = getattr(_local, "dry", False)
+    _local.dry = True
+    try:
+        yield
+    finally:
+        _local.dry = before
+
+
+def is_dry() -> bool:
+    return getattr(_local, "dry", False)
+
+
+def stats() -> dict:
+    """Executables compiled, loaded from the store and found in JAX's own cache in this process, and
+    calls answered dry."""
+    with _stats_lock:
+        return dict(_stats)
+
+
+def _count(what: str) -> None:
+    with _stats_lock:
+        _stats[what] += 1
+
+
+def store_dir() -> Path | None:
+    """Where executables are stored: inside the persistent compilation cache (runtime.py), so one
+    setting moves or disables both; None when that cache is off."""
+    from lev_jax import runtime
+
+    cache = runtime.compilation_cache_dir()
+    return Path(cache) / STORE_DIR if cache else None
+
+
+@functools.lru_cache(maxsize=1)
+def fingerprint() -> str:
+    """What a stored executable was built by besides its signature: this package's source (a changed
+    forward compiles another program for the same shapes), jax / jaxlib, the device, and on a CPU its
+    feature flags (machine code for AMX must not run on a CPU without it)."""
+    import jax
+    import jaxlib
+
+    from lev_jax import runtime
+
+    h = hashlib.sha256()
+    root = Path(__file__).resolve().parent
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode())
+        h.update(f.read_bytes())
+    dev = jax.devices()[0]
+    versions = (jax.__version__, jaxlib.__version__, dev.platform, dev.device_kind, dev.client.platform_version)
+    h.update(repr(versions).encode())
+    if dev.platform == "cpu":
+        h.update(" ".join(sorted(runtime.cpu_flags())).encode())
+    return h.hexdigest()
+
+
+def _aval(x) -> tuple:
+    shape = getattr(x, "shape", None)
+    if shape is None:  # a Python scalar: jit traces it as a weakly typed array of its type
+        return ("py", type(x).__name__)
+    aval = (tuple(shape), str(x.dtype), bool(getattr(x, "weak_type", False)))
+    sharding = getattr(x, "sharding", None)
+    if sharding is not None and not isinstance(sharding, _single_device()):
+        # an array spread over a mesh: an executable is compiled for its inputs' shardings
+        aval += (sharding,)
+    return aval
+
+
+@functools.lru_cache(maxsize=1)
+def _single_device():
+    import jax
+
+    return jax.sharding.SingleDeviceSharding
+
+
+class Program:
+    """`jax.jit(fun, static_argnames=static)` whose executables are kept here, per signature (module
+    doc): called like `fun`; `count()` is how many it holds."""
+
+    def __init__(self, fun, static: tuple[str, ...] = (), *, dry: bool = False):
+        self.fun = fun
+        self.name = f"{fun.__module__}.{fun.__qualname__}"
+        self.static = tuple(static)
+        self.dry = dry
+        self._jitted = None
+        self.signature = inspect.signature(fun)
+        self.executables: dict[tuple, object] = {}
+        # signatures run at least once: an executable's first run costs ~0.3 s more than the next
+        # (XLA:CPU, measured; per executable, not per thread), which a dry run pays too
+        self.executed: set[tuple] = set()
+        self._lock = threading.Lock()
+        self._compiling: dict[tuple, threading.Lock] = {}
+        functools.update_wrapper(self, fun)
+        _registry.append(self)
+
+    @property
+    def jitted(self):
+        """The jitted function, named after this package's source (`fingerprint`): JAX's own cache keys
+        a program by its module's name too, so another version of lev-jax never finds this one's
+        executable there (a program JAX loads from its cache cannot be stored: `_executable`)."""
+        if self._jitted is None:
+            import jax
+
+            fun = self.fun
+
+            def named(*args, **kwargs):
+                return fun(*args, **kwargs)
+
+            functools.update_wrapper(named, fun)
+            named.__name__ = named.__qualname__ = f"{fun.__name__.strip('_')}_{fingerprint()[:12]}"
+            self._jitted = jax.jit(named, static_argnames=self.static)
+        return self._jitted
+
+    def count(self) -> int:
+        return len(self.executables)
+
+    def clear(self) -> None:
+        with self._lock:
+            self.executables.clear()
+            self.executed.clear()
+
+    def __call__(self, *args, **kwargs):
+        import jax
+        import jax.numpy as jnp
+
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = bound.arguments
+        dynamic = {k: v for k, v in arguments.items() if k not in self.static}
+        leaves, tree = jax.tree.flatten(dynamic)
+        if any(isinstance(x, jax.core.Tracer) for x in leaves):  # called inside another trace (jit, grad)
+            return self.jitted(*args, **kwargs)
+        key = (tree, tuple(arguments[k] for k in self.static), tuple(map(_aval, leaves)))
+        exe = self.executables.get(key)
+        if exe is None:
+            exe = self._executable(key, arguments)
+        if self.dry and is_dry() and key in self.executed:
+            _count("dry_calls")
+            return jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), exe.out_info)
+        out = exe(**dynamic)
+        self.executed.add(key)
+        return out
+
+    def _executable(self, key: tuple, arguments: dict):
+        with self._lock:
+            lock = self._compiling.setdefault(key, threading.Lock())
+        with lock:  # one thread compiles a signature; another asking for it waits for that one
+            exe = self.executables.get(key)
+            if exe is None:
+                exe = self._load(key)
+                if exe is None:
+                    _listen()
+                    _local.compiling, _local.jax_cache_hit = True, False
+                    try:
+                        exe = self.jitted.trace(**arguments).lower().compile()
+                    finally:
+                        _local.compiling = False
+                    if _local.jax_cache_hit:
+                        # JAX found it in its own persistent cache: such an executable serialises
+                        # into a file that loads but cannot run (XLA:CPU, measured), so it is not
+                        # stored; a process without JAX's cache entry compiles and stores it
+                        _count("jax_cache_hits")
+                    else:
+                        _count("compiled")
+                        self._save(key, exe)
+                self.executables[key] = exe
+        with self._lock:
+            self._compiling.pop(key, None)
+        return exe
+
+    def _path(self, key: tuple) -> Path | None:
+        root = store_dir()
+        if root is None:
+            return None
+        tree, static, avals = key
+        ident = repr((self.name, fingerprint(), str(tree), static, avals)).encode()
+        return root / f"{self.fun.__name__.strip('_')}-{hashlib.sha256(ident).hexdigest()[:40]}.bin"
+
+    def _load(self, key: tuple):
+        path = self._path(key)
+        if path is None or not path.is_file():
+            return None
+        import zstandard
+        from jax.experimental import serialize_executable
+
+        try:
+            payload, in_tree, out_tree = pickle.loads(zstandard.ZstdDecompressor().decompress(path.read_bytes()))
+            exe = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+        except Exception as e:  # noqa: BLE001 — a damaged or stale file: compile instead
+            log.warning("ignoring the stored program %s (%s: %s)", path.name, type(e).__name__, e)
+            path.unlink(missing_ok=True)
+            return None
+        _count("loaded")
+        return exe
+
+    def _save(self, key: tuple, exe) -> None:
+        path = self._path(key)
+        if path is None:
+            return
+        import zstandard
+        from jax.experimental import serialize_executable
+
+        tmp = None
+        try:
+            # compressed like JAX's own cache entries (machine code: ~10x smaller, ~ms to unpack)
+            data = zstandard.ZstdCompressor(level=3).compress(pickle.dumps(serialize_executable.serialize(exe)))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".program-")
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except Exception as e:  # noqa: BLE001 — a read-only cache or an unserialisable program: keep it in memory only
+            log.warning("cannot store the program %s (%s: %s)", path.name, type(e).__name__, e)
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+
+
+def program(static_argnames: tuple[str, ...] = (), *, dry: bool = False):
+    """Decorator: `fun` as a `Program` (`functools.partial(jax.jit, static_argnames=...)`'s place)."""
+
+    def wrap(fun):
+        return Program(fun, static_argnames, dry=dry)
+
+    return wrap

@@ -220,7 +220,7 @@ def test_schema_first_requests_asking_the_same_questions_share_calls(monkeypatch
         calls.append(args[5].shape[0])  # rows in the call (label ids [B, C])
         return read_rows(*args, **kwargs)
 
-    spy._cache_size = read_rows._cache_size  # engine.compiled_programs still counts the real program
+    spy.count = read_rows.count  # engine.compiled_programs still counts the real program
     monkeypatch.setattr(logits_lib, "read_rows", spy)
     before = engine.compiled_programs
     batch = engine.predict_many(requests, with_usage=True)

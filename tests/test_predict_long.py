@@ -78,11 +78,16 @@ def test_long_row_calls_are_bounded_and_shared_across_prefixes():
     row = plan.Row(list(range(3 * buckets.PREFILL_CHUNK + 10)), [1, 2])
     calls = execute.Executor.long_row_calls(96, 96, row)
     assert [c[0] for c in calls] == ["chunk", "chunk", "chunk", "tail"]
-    # every chunk's cache holds a whole number of chunks: prefixes of different lengths share programs
-    assert all(size % buckets.PREFILL_CHUNK == 0 for kind, size, *_ in calls if kind == "chunk")
+    # each chunk's cache is grown just past it, to a multiple of LONG_ROW_SLOTS: prefixes of lengths
+    # within one multiple share programs, and a chunk scores fewer than LONG_ROW_SLOTS empty slots
+    step = buckets.LONG_ROW_SLOTS
+    chunk_slots = [size for kind, size, *_ in calls if kind == "chunk"]
+    assert chunk_slots == [-(-(96 + k * buckets.PREFILL_CHUNK) // step) * step for k in (1, 2, 3)]
+    assert all(size % step == 0 for size in chunk_slots)
     # the tail's program: its length bucket and its label-codes bucket
     assert calls[-1][2:] == (buckets.fit(10, buckets.TAIL, "tail"), buckets.fit(2, buckets.CODES, "codes"))
-    assert execute.Executor.long_row_calls(480, 480, row)[:3] == calls[:3]
+    assert execute.Executor.long_row_calls(step - 8, step - 8, row) == calls
+    assert execute.Executor.long_row_calls(step + 8, step + 8, row)[0][1] == chunk_slots[0] + step
     # wherever a row's text ends, its tail is one of a few programs (the warm-up compiles them all)
     tails = {execute.Executor.long_row_calls(96, 96, plan.Row(list(range(n)), [1, 2]))[-1] for n in range(513, 1025)}
     assert len(tails) <= len(buckets.TAIL) <= 10

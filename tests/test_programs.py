@@ -1,10 +1,19 @@
-"""The memory-map guard (lev_jax/programs.py): compiled programs are freed past the threshold, and
-recompile on demand."""
+"""lev_jax/programs.py: the memory-map guard (compiled programs are freed past the threshold, and
+recompile on demand), the executable store (a program compiled once is loaded back, not compiled; a
+damaged file is replaced) and dry runs (compiled, not computed; per thread)."""
+
+import dataclasses
+import threading
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+import lev_jax
 from lev_jax import programs
+from lev_jax.elastic import cascade
+from lev_jax.readout import logits as logits_lib
+from lev_jax.testing import tiny_backbone
 
 
 def test_guard_frees_compiled_programs_past_its_threshold_only():
@@ -20,3 +29,119 @@ def test_guard_frees_compiled_programs_past_its_threshold_only():
     assert f._cache_size() == 0
     assert float(f(jnp.ones(3))[0]) == 2.0  # recompiled on demand
     assert f._cache_size() == 1
+
+
+# -- programs: the executable store and dry runs ---------------------------------------------------
+
+
+QUESTIONS = {
+    "refund": {"type": "noul", "instructions": "Is the customer asking for money back?"},
+    "team": {
+        "type": "choice",
+        "instructions": "Which team?",
+        "criteria": {"Billing": None, "Tech": None, "Sales": None},
+    },
+}
+
+
+def _engine(seed: int):
+    bb = tiny_backbone("llama", seed=seed)
+    # programs of its own: nothing another test compiled (in memory or in the session's store) is reused
+    bb.config = dataclasses.replace(bb.config, rope_theta=bb.config.rope_theta + 0.25 * seed + 0.125)
+    return lev_jax.Engine(bb, prefix_cache_bytes=0)
+
+
+def _probs(answers: dict) -> list[float]:
+    return [answers["refund"]["noul"], *answers["team"]["probabilities"].values()]
+
+
+def test_a_program_is_stored_and_loaded_back_without_compiling():
+    assert programs.store_dir() is not None  # tests/conftest.py: this session's own cache directory
+    engine = _engine(seed=3)
+    before = programs.stats()
+    first = engine.predict("I was charged twice and want my money back.", QUESTIONS)
+    compiled = programs.stats()["compiled"] - before["compiled"]
+    assert compiled >= 2 and programs.stats()["loaded"] == before["loaded"]
+    stored = {p.name for p in programs.store_dir().iterdir()}
+    assert any(n.startswith("extend-") for n in stored) and any(n.startswith("read_rows-") for n in stored)
+
+    programs.free_compiled()  # what a new process holds: nothing in memory, the store on disk
+    mid = programs.stats()
+    again = engine.predict("I was charged twice and want my money back.", QUESTIONS)
+    after = programs.stats()
+    assert after["compiled"] == mid["compiled"]  # every program came from the store
+    assert after["loaded"] - mid["loaded"] == compiled
+    np.testing.assert_allclose(_probs(again), _probs(first), atol=1e-6)
+
+
+def test_a_damaged_stored_program_is_dropped_and_never_stored_from_jax_s_cache(caplog):
+    """A stored file that cannot be read is deleted and the program built again; here JAX's own
+    persistent cache (this session's, where the first call also put it) has it, and an executable
+    JAX loaded from there is not stored (serialised again it loads but cannot run: XLA:CPU), so the
+    answers stay right in this process and in the next."""
+    engine = _engine(seed=4)
+    store = programs.store_dir()
+    existing = set(store.iterdir()) if store.is_dir() else set()
+    first = engine.predict("Where is my parcel?", QUESTIONS)
+    mine = set(store.iterdir()) - existing
+    assert len(mine) >= 2
+    for p in mine:
+        p.write_bytes(b"not an executable")
+    programs.free_compiled()
+    before = programs.stats()
+    again = engine.predict("Where is my parcel?", QUESTIONS)
+    after = programs.stats()
+    assert after["loaded"] == before["loaded"]
+    assert after["jax_cache_hits"] - before["jax_cache_hits"] == len(mine)
+    assert "ignoring the stored program" in caplog.text
+    assert not any(p.exists() for p in mine)  # dropped, and not written again from JAX's cache
+    np.testing.assert_allclose(_probs(again), _probs(first), atol=1e-6)
+    programs.free_compiled()
+    np.testing.assert_allclose(_probs(engine.predict("Where is my parcel?", QUESTIONS)), _probs(first), atol=1e-6)
+
+
+def test_a_dry_run_runs_each_program_once_then_skips_row_reads_and_leaves_answers_alone():
+    engine = _engine(seed=5)
+    state = "My parcel never arrived and I was charged twice."
+    other = "My parcel never arrived and I was charged twice!"  # the same token count: the same programs
+    assert engine.programs(state, QUESTIONS) == engine.programs(other, QUESTIONS)
+    with programs.dry_run():
+        assert programs.is_dry()
+        before = programs.stats()
+        first = engine.predict(state, QUESTIONS)  # compiles, and runs each program once (its first run)
+        assert programs.stats()["dry_calls"] == before["dry_calls"]
+        dry = engine.predict(other, QUESTIONS)  # nothing new: the row reads are skipped
+        assert programs.stats()["dry_calls"] > before["dry_calls"]
+    assert not programs.is_dry()
+    # every row read returned ones: each question's labels tie
+    assert dry["refund"]["noul"] == 0.5
+    assert len(set(dry["team"]["probabilities"].values())) == 1
+    assert engine.programs(state, QUESTIONS) <= engine.compiled_keys
+    compiled = engine.compiled_programs
+    real = engine.predict(state, QUESTIONS)  # compiles nothing: the dry run did
+    assert engine.compiled_programs == compiled
+    np.testing.assert_allclose(_probs(real), _probs(first), atol=1e-6)
+    reference = engine.predict(state, QUESTIONS, reference=True)
+    np.testing.assert_allclose(_probs(real), _probs(reference), atol=1e-5)
+    assert real["refund"]["noul"] != 0.5
+
+
+def test_dry_runs_are_per_thread_and_programs_work_inside_a_trace():
+    seen = []
+    with programs.dry_run():
+        t = threading.Thread(target=lambda: seen.append(programs.is_dry()))
+        t.start()
+        t.join()
+    assert seen == [False]
+
+    x = jnp.arange(3.0)
+    assert np.asarray(jax.grad(lambda v: _scaled(v, 2.0).sum())(x)).tolist() == [2.0, 2.0, 2.0]
+    assert np.asarray(jax.jit(lambda v: _scaled(v, 3.0))(x)).tolist() == [0.0, 3.0, 6.0]
+    assert np.asarray(_scaled(x, 3.0)).tolist() == [0.0, 3.0, 6.0]
+    assert _scaled.count() == 1  # the plain call's executable; the traced ones ran as jit
+    assert logits_lib.read_rows.dry and logits_lib.extend_cache.dry and not cascade.prefill.dry
+
+
+@programs.program(("factor",))
+def _scaled(x, factor):
+    return x * factor

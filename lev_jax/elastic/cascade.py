@@ -9,11 +9,10 @@ d2 > d1 and `read(..., start=d1, rows=...)` continues rows: no layer runs twice.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 
-from lev_jax import models
+from lev_jax import models, programs
 from lev_jax.readout.logits import rows_exit_logits
 
 
@@ -41,7 +40,7 @@ class Rows:
     depth: int = dataclasses.field(metadata={"static": True})
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "depth"))
+@programs.program(("cfg", "depth"))
 def prefill(params, tokens_BS, valid_BS, cfg, depth: int) -> Prefix:
     """The cache of a prefix through its first `depth` layers, keeping the residual after them."""
     resid, cache = models.forward(
@@ -50,7 +49,7 @@ def prefill(params, tokens_BS, valid_BS, cfg, depth: int) -> Prefix:
     return Prefix(cache, resid, tokens_BS, valid_BS, depth)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "depth"))
+@programs.program(("cfg", "depth"))
 def deepen(params, prefix: Prefix, cfg, depth: int) -> Prefix:
     """`prefix` continued from its depth to `depth`: layers [prefix.depth, depth) run once over the
     saved residual stream (at the prefix's own positions), their caches stacked on the kept ones."""
@@ -82,7 +81,7 @@ def truncated(prefix: Prefix, depth: int) -> Prefix:
     return Prefix(cache, prefix.resid_BSE, prefix.tokens_BS, prefix.valid_BS, depth)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "depth", "start"))
+@programs.program(("cfg", "depth", "start"))
 def read(
     params, exits, prefix: Prefix, tokens_BT, valid_BT, answer_B, label_ids_BC, cfg, depth: int, start=0, rows=None
 ):

@@ -181,4 +181,4 @@ class Cascade:
 
 def compiled_programs() -> int:
     """The cascade's programs compiled so far in this process."""
-    return sum(f._cache_size() for f in (cascade.prefill, cascade.deepen, cascade.read))
+    return sum(f.count() for f in (cascade.prefill, cascade.deepen, cascade.read))

@@ -396,15 +396,16 @@ class Executor:
     def long_row_calls(offset: int, slots: int, row: Row) -> list[tuple]:
         """The device calls (program keys) of a long row continuing a cache whose next slot is
         `offset` of `slots`: ("chunk", slots, PREFILL_CHUNK) per leading chunk, each written into
-        the cache grown to hold it (to a multiple of the chunk, so these programs are shared by every
-        prefix length), ("chunk-marked", slots, chunk, markers bucket) for a chunk holding Mode B
-        markers (the head reads them on the way), then ("tail", slots, tail bucket, codes bucket
-        [, "modeb"]) reading the row's last tokens (padded to a `buckets.TAIL` size) like any row."""
+        the cache grown to hold it (to a multiple of `buckets.LONG_ROW_SLOTS`, so these programs are
+        shared by every prefix of the same multiple, and a chunk scores few empty slots),
+        ("chunk-marked", slots, chunk, markers bucket) for a chunk holding Mode B markers (the head
+        reads them on the way), then ("tail", slots, tail bucket, codes bucket [, "modeb"]) reading
+        the row's last tokens (padded to a `buckets.TAIL` size) like any row."""
         chunk = buckets.PREFILL_CHUNK
         n = len(row.tokens)
         calls, start = [], 0
         while n - start > chunk:
-            slots = max(slots, -(-(offset + chunk) // chunk) * chunk)
+            slots = max(slots, -(-(offset + chunk) // buckets.LONG_ROW_SLOTS) * buckets.LONG_ROW_SLOTS)
             inside = markers_in(row, start, start + chunk)
             if inside:
                 calls.append(("chunk-marked", slots, chunk, buckets.fit(len(inside), buckets.CODES, "markers")))

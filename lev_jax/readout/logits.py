@@ -10,14 +10,12 @@ The jitted variants below are the programs predict() runs.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lev_jax import models
+from lev_jax import models, programs
 from lev_jax.models import cache as cache_lib
 from lev_jax.readout import exits as exits_lib
 from lev_jax.readout import modeb
@@ -206,7 +204,7 @@ def prefixed_label_logits(
 # -- the programs predict() runs -------------------------------------------------------------------
 # `head` is None for calls without Mode B rows (one program per bucket, as before a head existed);
 # `markers_BC` / `marked_B` are then ignored.
-@functools.partial(jax.jit, static_argnames=("cfg", "anchored"))
+@programs.program(("cfg", "anchored"), dry=True)
 def read_rows(
     params, head, cache, prefix_B, tokens_BT, valid_BT, answer_B, label_ids_BC, markers_BC, marked_B, cfg, anchored=True
 ):
@@ -226,7 +224,7 @@ def read_rows(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "anchored"))
+@programs.program(("cfg", "anchored"), dry=True)
 def read_segment_rows(
     params,
     head,
@@ -258,7 +256,7 @@ def read_segment_rows(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "anchored"))
+@programs.program(("cfg", "anchored"), dry=True)
 def compute_segments(params, cache, tokens_BT, valid_BT, cfg, anchored=True, prefix_B=None):
     """(segment cache, finite_B): B question headers continuing a shared prefix (`prefix_B` None) or,
     header b, prefix `prefix_B[b]` of a stacked cache (read in place, cache.index_rows), kept per
@@ -281,7 +279,7 @@ def compute_segments(params, cache, tokens_BT, valid_BT, cfg, anchored=True, pre
     return seg, jnp.all(jnp.stack(finite), axis=0)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+@programs.program(("cfg",), dry=True)
 def extend_cache(params, cache, tokens_BT, valid_BT, cfg):
     """`cache` continued by B rows of tokens, written into its slots (a long row's leading chunks)."""
     readout = jnp.zeros((tokens_BT.shape[0], 1), jnp.int32)  # the hidden state is not needed
@@ -289,7 +287,7 @@ def extend_cache(params, cache, tokens_BT, valid_BT, cfg):
     return cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+@programs.program(("cfg",), dry=True)
 def extend_cache_marked(params, head, cache, tokens_BT, valid_BT, markers_BR, cfg):
     """(Mode B head scores at `markers_BR`, the continued cache): `extend_cache` for a chunk of a
     long Mode B row, whose markers inside the chunk are read on the way."""
@@ -300,9 +298,9 @@ def extend_cache_marked(params, head, cache, tokens_BT, valid_BT, markers_BR, cf
 def compiled_programs() -> int:
     """Row, segment and long-row programs compiled so far in this process."""
     return (
-        read_rows._cache_size()
-        + extend_cache_marked._cache_size()
-        + read_segment_rows._cache_size()
-        + compute_segments._cache_size()
-        + extend_cache._cache_size()
+        read_rows.count()
+        + extend_cache_marked.count()
+        + read_segment_rows.count()
+        + compute_segments.count()
+        + extend_cache.count()
     )

@@ -414,6 +414,7 @@ def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> Fa
             "timeout_s": cfg.timeout_s,
             "batches": scheduler.batches,
             "compiled_programs": info.get("compiled_programs"),
+            "programs": info.get("programs"),
             "buckets": info.get("buckets"),
             "auth": bool(cfg.api_keys),
             "uptime_s": round(time.time() - started, 3),

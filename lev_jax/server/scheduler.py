@@ -20,8 +20,8 @@ two cores or more, requests that arrive together, each needing programs of its o
 after start-up), compile side by side instead of each waiting for all the compiles before its own.
 A batch of ready requests whose *combination* is new (stacked micro-batch shapes) runs its requests
 one by one in the main lane, and the compile lane, when idle, compiles that combination in the
-background by running the same batch once more (its results are dropped), so the next such batch
-runs stacked.
+background by running the same batch once more, dry (`programs.dry_run`: its programs compiled and
+run once, no row read computed twice; the results are dropped anyway), so the next such batch runs stacked.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from lev_jax import programs
 
 log = logging.getLogger("lev_jax.server")
 
@@ -339,7 +341,7 @@ class Scheduler:
                 continue
             loop = asyncio.get_running_loop()
             try:
-                await loop.run_in_executor(self._cold_executor, self._call, requests)
+                await loop.run_in_executor(self._cold_executor, self._compile_only, requests)
                 self.background_compiles += 1
             except Exception:  # noqa: BLE001 — a compile job's failure affects nobody's answer
                 log.exception("background compile of a micro-batch failed")
@@ -375,6 +377,11 @@ class Scheduler:
                 else:
                     t.future.set_result(r)
             self._release(t)  # a cancelled running request held its slot until now, too
+
+    def _compile_only(self, requests: list[tuple[Any, dict]]) -> list[Any]:
+        """A background compile: the batch run dry (`programs.dry_run`)."""
+        with programs.dry_run():
+            return self._call(requests)
 
     def _call_each(self, requests: list[tuple[Any, dict]]) -> list[Any]:
         return [self._call([r])[0] for r in requests]

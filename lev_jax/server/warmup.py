@@ -10,7 +10,9 @@ every prefix size up to a chunk (shape signatures: `long_row_shapes`, `prefill_s
 the schema first is what a question about a document needs whatever its exact length; then
 concurrent micro-batches; smallest first, within a time budget. With the persistent compilation
 cache (lev_jax/runtime.py) a restarted server loads these programs from disk instead of compiling
-them, so its warm-up takes a fraction of the first.
+them, so its warm-up takes a fraction of the first. The grid's requests are read dry
+(`programs.dry_run`): their programs are compiled, or loaded, and run once, but no row read is
+computed again.
 
 What the grid cannot guess is the shapes of the traffic a deployment really gets. A server with a
 compilation cache records the shape (no content: `readout.shapes`) of every batch that made it compile
@@ -30,6 +32,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from lev_jax import programs
 
 log = logging.getLogger("lev_jax.server")
 
@@ -231,6 +235,12 @@ class Warmup:
             self._thread.join(timeout)
 
     def run(self) -> None:
+        # compute no row read whose program has run (programs.dry_run): the grid's answers are dropped,
+        # and on a restart whose programs are all stored, computing them was most of the time
+        with programs.dry_run():
+            self._run()
+
+    def _run(self) -> None:
         t0 = time.perf_counter()
         compiled0 = self._compiled()
         try:

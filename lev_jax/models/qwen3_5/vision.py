@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lev_jax import programs
 from lev_jax.models.layers import apply_rope, einsum, matmul
 
 LN_EPS = 1e-6  # every LayerNorm of the tower (fixed in the reference, not in the config)
@@ -241,7 +242,7 @@ def _block(p, x_tNE, cos_NF, sin_NF, cfg: VisionConfig):
     return x_tNE + _linear(p["mlp"]["linear_fc2"], h)
 
 
-@functools.partial(jax.jit, static_argnames=("grid_thw", "cfg"))
+@programs.program(("grid_thw", "cfg"))
 def _encode(params, pixel_values_ND, grid_thw: tuple[int, int, int], cfg: VisionConfig):
     t, h, w = grid_thw
     E, N = cfg.hidden_size, h * w

@@ -59,3 +59,20 @@ def test_serve_base_only_with_a_model_is_one_line_and_exit_2():
         [sys.executable, "-m", "serve", "--base-only", "--model", "x"], cwd=REPO, capture_output=True, text=True
     )
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "--base-only" in p.stderr
+
+
+def test_the_load_test_s_after_ready_halves_need_disjoint_and_equally_many_programs(default):
+    """The load test's after-ready crossover (lev_jax/bench/loadtest.py) charges each loop one half's
+    single-request compiles: on the shipped default the halves must need different programs, and as
+    many each, or the crossover charges one loop more compiles than the other."""
+    from lev_jax.bench import loadtest
+
+    programs = {}
+    for half in loadtest.HALVES:
+        keys = set()
+        for payload in loadtest.fresh_payloads(half, len(loadtest.TICKETS), 1, iter(range(100))):
+            plan = default.plan(payload["state"], payload["questions"])
+            keys |= {k for k in default.executor.programs(plan.prefix_ids, plan.rows) if k[0] != "prefill"}
+        programs[half] = keys
+    a, b = programs["A"], programs["B"]
+    assert a and not a & b and len(a) == len(b)

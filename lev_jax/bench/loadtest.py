@@ -28,8 +28,8 @@ loop is helped by the cross-request prefix cache) and the states of one ticket l
 shape buckets. Whichever loop first meets a prefix bucket pays its single-request compiles (the warm-up
 grid does not cover these ticket sizes); only concurrency 8 meets the stacked micro-batch combinations,
 which are the compile cliff under test. So the phase is a crossover over two halves of shapes with
-disjoint buckets: A, the tickets as they are, and B, the tickets with a sentence appended (HALVES:
-prefix buckets 56/64/72 and 80/88/96 with the SmolLM2 tokenizer), in the order
+disjoint buckets and equally many programs: A, the tickets as they are, and B, each ticket written
+twice (HALVES; `tests/test_default_release.py` checks the shipped default's programs), in the order
     c8 on A,  serial on B,  serial on A,  c8 on B          (`--requests` / 2 requests each)
 Each loop meets one half cold (paying its single-request compiles) and the other half after the other
 loop compiled it, so both pay about the same compiles and do the same work, and the difference is
@@ -117,13 +117,15 @@ def payloads(n_distinct: int) -> list[dict]:
     return out
 
 
-# The after-ready phase's two halves of fresh shapes: the 8 tickets as they are (half A), and with this
-# sentence appended (half B), which moves each ticket two or three prefix buckets up: with the SmolLM2
-# tokenizer and the chat prompt, A's prefixes fall in buckets 56/64/72 and B's in 80/88/96, so the two
-# halves need disjoint single-request programs (equally many with the state first; with the schema
-# first, the shipped default's layout, each ticket is a row after the question and the halves' row
-# buckets differ: 14 programs for A against 7 for B in a 2026-12-06 run, BENCHMARKS.md).
-HALVES = {"A": "", "B": " Please answer by email; I read it every afternoon and would like this settled this week."}
+# The after-ready phase's two halves of fresh shapes, as templates of a ticket: the 8 tickets as they are
+# (half A) and each written twice around a short phrase (half B). With the schema first, the shipped
+# default's layout, each ticket is a row after each question's cached lead, so what the halves must
+# differ in is the rows' length buckets: with the SmolLM2 tokenizer A's rows (38-54 tokens) fall in 5
+# `buckets.SUFFIX` sizes from 40 to 56 and B's (59-91) in 5 from 60 to 96 -- disjoint, and 15
+# single-request programs each (3 questions). Doubling the text doubles the spread of lengths as the
+# buckets' step doubles an octave up; a sentence appended instead (2026-12-06) moved every ticket by
+# the same few tokens, and its half needed 9 programs against A's 15, charging c8 the difference.
+HALVES = {"A": "{t}", "B": "{t} Again, in case it was missed: {t}"}
 
 
 def fresh_payloads(half: str, n: int, run: int, counter) -> list[dict]:
@@ -133,7 +135,7 @@ def fresh_payloads(half: str, n: int, run: int, counter) -> list[dict]:
     return [
         {
             "model": "jev-latest",
-            "state": f"{TICKETS[k % len(TICKETS)]}{HALVES[half]} (ref {run:04d}-{next(counter):05d})",
+            "state": f"{HALVES[half].format(t=TICKETS[k % len(TICKETS)])} (ref {run:04d}-{next(counter):05d})",
             "questions": QUESTIONS,
         }
         for k in range(n)

@@ -1,4 +1,4 @@
-"""The device programs serving runs: compiled per argument shapes, kept on disk, compiled without running.
+"""The device programs serving runs: compiled per argument shapes, kept on disk, run dry by a warm-up.
 
 `program` is `jax.jit` for the serving entry points (prefill, row reads, segments, long-row chunks,
 the elastic cascade, the vision tower), with the executables kept here per argument signature (the
@@ -11,7 +11,8 @@ reasons:
   loading it (~0.5 s). Here a program's executable is stored next to that cache under a key of its
   signature and of everything that could change the program without changing the signature (this
   package's source, jax's version, the device, the CPU's features), so a later process only loads it.
-  Files are written atomically; one that cannot be read is deleted and the program compiled again.
+  Files are written atomically; one that cannot be read is deleted and the program compiled again;
+  an executable JAX took from its own cache is never stored (`Program._executable` says why).
   (Like JAX's cache, a stored executable is machine code this process runs: the directory must be
   the user's own.)
 - **A warm-up need not compute what it has run once** (`dry_run()`): under it, a program marked
@@ -108,6 +109,10 @@ def guard(*, force: bool = False, free_at: float = FREE_AT) -> bool:
 
 # -- programs ---------------------------------------------------------------------------------------
 STORE_DIR = "lev_jax_programs"  # inside the persistent compilation cache's directory
+# opt-in ("1") while it is not safe by default: a fresh-clone CI run (2026-12-06) had servers and
+# training runs that shared one cache directory crash (SIGSEGV) running an executable another process
+# stored, not yet explained (XLA flags and meshes are now part of the key; it still happened)
+STORE_ENV = "LEV_JAX_PROGRAM_STORE"
 _registry: list[Program] = []
 _local = threading.local()
 _stats = {"compiled": 0, "loaded": 0, "jax_cache_hits": 0, "dry_calls": 0}
@@ -161,9 +166,11 @@ def _count(what: str) -> None:
 
 def store_dir() -> Path | None:
     """Where executables are stored: inside the persistent compilation cache (runtime.py), so one
-    setting moves or disables both; None when that cache is off."""
+    setting moves or disables both; None when that cache is off or $LEV_JAX_PROGRAM_STORE is not "1"."""
     from lev_jax import runtime
 
+    if os.environ.get(STORE_ENV) != "1":
+        return None
     cache = runtime.compilation_cache_dir()
     return Path(cache) / STORE_DIR if cache else None
 
@@ -171,8 +178,8 @@ def store_dir() -> Path | None:
 @functools.lru_cache(maxsize=1)
 def fingerprint() -> str:
     """What a stored executable was built by besides its signature: this package's source (a changed
-    forward compiles another program for the same shapes), jax / jaxlib, the device, and on a CPU its
-    feature flags (machine code for AMX must not run on a CPU without it)."""
+    forward compiles another program for the same shapes), jax / jaxlib, the device, the process's
+    XLA flags, and on a CPU its feature flags (machine code for AMX must not run on a CPU without it)."""
     import jax
     import jaxlib
 
@@ -185,7 +192,10 @@ def fingerprint() -> str:
         h.update(f.read_bytes())
     dev = jax.devices()[0]
     versions = (jax.__version__, jaxlib.__version__, dev.platform, dev.device_kind, dev.client.platform_version)
-    h.update(repr(versions).encode())
+    # the process's XLA flags and devices shape the machine code (a training run sets flags of its own:
+    # its executables, loaded by a server without them, crashed it -- measured)
+    setup = (os.environ.get("XLA_FLAGS", ""), jax.device_count(), jax.config.jax_enable_x64)
+    h.update(repr((versions, setup)).encode())
     if dev.platform == "cpu":
         h.update(" ".join(sorted(runtime.cpu_flags())).encode())
     return h.hexdigest()
@@ -307,9 +317,12 @@ class Program:
 
     def _path(self, key: tuple) -> Path | None:
         root = store_dir()
-        if root is None:
-            return None
         tree, static, avals = key
+        if root is None or any(len(a) > 3 for a in avals):
+            # arrays spread over a mesh (a training run's parameters): such an executable loaded back
+            # crashed the process when run (a 1-device mesh, XLA:CPU, measured), so only programs of
+            # single-device arrays are stored; the others compile as jit would
+            return None
         ident = repr((self.name, fingerprint(), str(tree), static, avals)).encode()
         return root / f"{self.fun.__name__.strip('_')}-{hashlib.sha256(ident).hexdigest()[:40]}.bin"
 

@@ -55,7 +55,8 @@ def _probs(answers: dict) -> list[float]:
     return [answers["refund"]["noul"], *answers["team"]["probabilities"].values()]
 
 
-def test_a_program_is_stored_and_loaded_back_without_compiling():
+def test_a_program_is_stored_and_loaded_back_without_compiling(monkeypatch):
+    monkeypatch.setenv(programs.STORE_ENV, "1")
     assert programs.store_dir() is not None  # tests/conftest.py: this session's own cache directory
     engine = _engine(seed=3)
     before = programs.stats()
@@ -74,11 +75,12 @@ def test_a_program_is_stored_and_loaded_back_without_compiling():
     np.testing.assert_allclose(_probs(again), _probs(first), atol=1e-6)
 
 
-def test_a_damaged_stored_program_is_dropped_and_never_stored_from_jax_s_cache(caplog):
+def test_a_damaged_stored_program_is_dropped_and_never_stored_from_jax_s_cache(caplog, monkeypatch):
     """A stored file that cannot be read is deleted and the program built again; here JAX's own
     persistent cache (this session's, where the first call also put it) has it, and an executable
     JAX loaded from there is not stored (serialised again it loads but cannot run: XLA:CPU), so the
     answers stay right in this process and in the next."""
+    monkeypatch.setenv(programs.STORE_ENV, "1")
     engine = _engine(seed=4)
     store = programs.store_dir()
     existing = set(store.iterdir()) if store.is_dir() else set()

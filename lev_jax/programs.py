@@ -5,7 +5,8 @@ the elastic cascade, the vision tower), with the executables kept here per argum
 shapes and dtypes of the arguments and the static ones) rather than in jit's own cache, for two
 reasons:
 
-- **A restarted process loads an executable without tracing or lowering it.** JAX's persistent
+- **A restarted process loads an executable without tracing or lowering it** (opt-in for now:
+  `STORE_ENV`). JAX's persistent
   cache keys a program by its lowered HLO, so a process that finds it there has still traced and
   lowered the forward (30 unrolled layers: ~0.7 s of Python per program on the 2-core CPU) before
   loading it (~0.5 s). Here a program's executable is stored next to that cache under a key of its
@@ -319,9 +320,9 @@ class Program:
         root = store_dir()
         tree, static, avals = key
         if root is None or any(len(a) > 3 for a in avals):
-            # arrays spread over a mesh (a training run's parameters): such an executable loaded back
-            # crashed the process when run (a 1-device mesh, XLA:CPU, measured), so only programs of
-            # single-device arrays are stored; the others compile as jit would
+            # arrays spread over a mesh (a training run's parameters): a training run crashed running
+            # such a program loaded back (2026-12-06, together with the XLA-flags change in
+            # `fingerprint`; which of the two fixed it was not isolated), so they are not stored
             return None
         ident = repr((self.name, fingerprint(), str(tree), static, avals)).encode()
         return root / f"{self.fun.__name__.strip('_')}-{hashlib.sha256(ident).hexdigest()[:40]}.bin"

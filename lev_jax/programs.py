@@ -5,17 +5,16 @@ the elastic cascade, the vision tower), with the executables kept here per argum
 shapes and dtypes of the arguments and the static ones) rather than in jit's own cache, for two
 reasons:
 
-- **A restarted process loads an executable without tracing or lowering it** (opt-in for now:
-  `STORE_ENV`). JAX's persistent
-  cache keys a program by its lowered HLO, so a process that finds it there has still traced and
-  lowered the forward (30 unrolled layers: ~0.7 s of Python per program on the 2-core CPU) before
-  loading it (~0.5 s). Here a program's executable is stored next to that cache under a key of its
-  signature and of everything that could change the program without changing the signature (this
-  package's source, jax's version, the device, the CPU's features), so a later process only loads it.
-  Files are written atomically; one that cannot be read is deleted and the program compiled again;
-  an executable JAX took from its own cache is never stored (`Program._executable` says why).
-  (Like JAX's cache, a stored executable is machine code this process runs: the directory must be
-  the user's own.)
+- **A restarted process loads an executable without tracing or lowering it** (`STORE_ENV=0` turns
+  this off). JAX's persistent cache keys a program by its lowered HLO, so a process that finds it
+  there has still traced and lowered the forward (30 unrolled layers: ~0.7 s of Python per program
+  on the 2-core CPU) before loading it (~0.5 s). Here a program's executable is stored next to that
+  cache under a key of its signature and of everything that could change the program without
+  changing the signature (this package's source, jax's version, the device, the CPU's features), so
+  a later process only loads it. Files are written atomically; one that cannot be read is deleted
+  and the program compiled again; an executable JAX took from its own cache is never stored
+  (`Program._executable` says why). (Like JAX's cache, a stored executable is machine code this
+  process runs: the directory must be the user's own.)
 - **A warm-up need not compute what it has run once** (`dry_run()`): under it, a program marked
   `dry=True` (its outputs are only ever read as numbers or passed to other programs, never decide a
   later program's shape) runs the first time a signature is called, because an executable's first
@@ -110,10 +109,7 @@ def guard(*, force: bool = False, free_at: float = FREE_AT) -> bool:
 
 # -- programs ---------------------------------------------------------------------------------------
 STORE_DIR = "lev_jax_programs"  # inside the persistent compilation cache's directory
-# opt-in ("1") while it is not safe by default: a fresh-clone CI run (2026-12-06) had servers and
-# training runs that shared one cache directory crash (SIGSEGV) running an executable another process
-# stored, not yet explained (XLA flags and meshes are now part of the key; it still happened)
-STORE_ENV = "LEV_JAX_PROGRAM_STORE"
+STORE_ENV = "LEV_JAX_PROGRAM_STORE"  # "0": no store (JAX's own cache still applies)
 _registry: list[Program] = []
 _local = threading.local()
 _stats = {"compiled": 0, "loaded": 0, "jax_cache_hits": 0, "dry_calls": 0}
@@ -167,10 +163,10 @@ def _count(what: str) -> None:
 
 def store_dir() -> Path | None:
     """Where executables are stored: inside the persistent compilation cache (runtime.py), so one
-    setting moves or disables both; None when that cache is off or $LEV_JAX_PROGRAM_STORE is not "1"."""
+    setting moves or disables both; None when that cache is off or $LEV_JAX_PROGRAM_STORE is "0"."""
     from lev_jax import runtime
 
-    if os.environ.get(STORE_ENV) != "1":
+    if os.environ.get(STORE_ENV, "1") == "0":
         return None
     cache = runtime.compilation_cache_dir()
     return Path(cache) / STORE_DIR if cache else None
@@ -193,8 +189,7 @@ def fingerprint() -> str:
         h.update(f.read_bytes())
     dev = jax.devices()[0]
     versions = (jax.__version__, jaxlib.__version__, dev.platform, dev.device_kind, dev.client.platform_version)
-    # the process's XLA flags and devices shape the machine code (a training run sets flags of its own:
-    # its executables, loaded by a server without them, crashed it -- measured)
+    # the process's XLA flags and devices shape the machine code (a forced host device count, say)
     setup = (os.environ.get("XLA_FLAGS", ""), jax.device_count(), jax.config.jax_enable_x64)
     h.update(repr((versions, setup)).encode())
     if dev.platform == "cpu":
@@ -320,9 +315,9 @@ class Program:
         root = store_dir()
         tree, static, avals = key
         if root is None or any(len(a) > 3 for a in avals):
-            # arrays spread over a mesh (a training run's parameters): a training run crashed running
-            # such a program loaded back (2026-12-06, together with the XLA-flags change in
-            # `fingerprint`; which of the two fixed it was not isolated), so they are not stored
+            # arrays spread over a mesh (a training run's parameters, even over one device): such an
+            # executable loads back but crashes the process (SIGSEGV) when run -- reproduced with two
+            # identical `train --preset tiny` runs sharing a store -- so it is neither stored nor loaded
             return None
         ident = repr((self.name, fingerprint(), str(tree), static, avals)).encode()
         return root / f"{self.fun.__name__.strip('_')}-{hashlib.sha256(ident).hexdigest()[:40]}.bin"

@@ -147,3 +147,38 @@ def test_dry_runs_are_per_thread_and_programs_work_inside_a_trace():
 @programs.program(("factor",))
 def _scaled(x, factor):
     return x * factor
+
+
+@programs.program()
+def _shifted(x):
+    return x + 0.8125
+
+
+def test_the_store_is_on_by_default_and_arrays_over_a_mesh_are_never_stored(monkeypatch):
+    """An executable compiled for arrays over a mesh (a training run's parameters, even over one
+    device) loads back from a file but crashes the process when run (reproduced: two identical
+    `train --preset tiny` runs sharing a store, the second SIGSEGV), so such a signature is neither
+    stored nor looked up; the same arrays on one device are stored."""
+    monkeypatch.delenv(programs.STORE_ENV, raising=False)
+    store = programs.store_dir()
+    assert store is not None  # on unless turned off
+    monkeypatch.setenv(programs.STORE_ENV, "0")
+    assert programs.store_dir() is None
+    monkeypatch.delenv(programs.STORE_ENV)
+
+    def mine():
+        return {p.name for p in store.iterdir() if p.name.startswith("shifted-")} if store.is_dir() else set()
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    x = jnp.arange(7.0)
+    on_mesh = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    assert not isinstance(on_mesh.sharding, jax.sharding.SingleDeviceSharding)
+    before = programs.stats()
+    np.testing.assert_allclose(np.asarray(_shifted(on_mesh)), np.asarray(x) + 0.8125)
+    assert programs.stats()["compiled"] - before["compiled"] == 1 and mine() == set()
+    programs.free_compiled()
+    loaded = programs.stats()["loaded"]
+    np.testing.assert_allclose(np.asarray(_shifted(on_mesh)), np.asarray(x) + 0.8125)  # built again
+    assert programs.stats()["loaded"] == loaded
+    _shifted(x)  # one device: stored
+    assert len(mine()) == 1

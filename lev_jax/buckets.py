@@ -2,7 +2,7 @@
 a bounded set of programs and never recompiles in steady state.
 
 Sizes grow geometrically with a few steps per octave, which bounds padding waste (at most 1/steps of
-the size, ~6 % on average for 8 steps) while keeping the number of distinct programs small.
+the size: ~6 % on average for 8 steps, ~12 % for 4) while keeping the number of distinct programs small.
 
 How much work goes into one call is a device property: a CPU runs fastest when a call's activations
 stay in its last-level cache (bf16 SmolLM2 on the 2-core machine: 0.42 ms per row token at 16 rows x
@@ -27,7 +27,12 @@ def geometric(lo: int, hi: int, steps_per_octave: int) -> tuple[int, ...]:
 PREFILL_CHUNK = 512  # longer prefixes prefill chunk by chunk (memory and cache footprint ~ chunk x prefix)
 # beyond one chunk, prefixes come in whole chunks
 PREFIX = (0,) + geometric(32, PREFILL_CHUNK, 8) + tuple(range(2 * PREFILL_CHUNK, 32768 + 1, PREFILL_CHUNK))
-SUFFIX = geometric(8, 32768, 8)
+# a row after its prefix (a question after the state, or with the schema first the state after the
+# question's cached lead): 4 sizes per octave, not 8. Each size is a program per question shape, and
+# with the schema first a state length not seen yet costs one per question a request asks; 8 fresh
+# requests right after ready needed 15 new programs at 8 sizes per octave (one of them waited past the
+# server's deadline, BENCHMARKS.md "Serving"), 9 at 4 -- for at most a quarter of a short row padded
+SUFFIX = geometric(8, 32768, 4)
 # the last tokens of a row longer than a chunk (read after its chunks): few sizes, because every one is
 # a program per cache size and a long row's tail depends on where its text happens to end; the padding
 # falls on a fraction of the row

@@ -132,6 +132,21 @@ def _listen() -> None:
             _listening = True
 
 
+@functools.lru_cache(maxsize=1)
+def prepare_loading() -> None:
+    """Set up, once per process, what compiling would have set up before an executable runs. XLA:CPU
+    calls LAPACK through custom calls whose function pointers jaxlib fills in when it first *lowers*
+    a LAPACK operation; a process that only loads a stored executable never lowers one, and running
+    a program that calls LAPACK (Qwen3.5's delta rule solves a triangular system: `lapack_strsm_ffi`)
+    then jumps through a null pointer -- SIGSEGV, measured. Lowering one tiny triangular solve (no
+    compile; milliseconds) sets them all up."""
+    import jax
+    import jax.numpy as jnp
+
+    spec = jax.ShapeDtypeStruct((2, 2), jnp.float32)
+    jax.jit(lambda a, b: jax.lax.linalg.triangular_solve(a, b, left_side=True, lower=True)).lower(spec, spec)
+
+
 @contextlib.contextmanager
 def dry_run():
     """In this thread, `dry=True` programs compile (or load) and run once per signature as usual, and
@@ -315,9 +330,8 @@ class Program:
         root = store_dir()
         tree, static, avals = key
         if root is None or any(len(a) > 3 for a in avals):
-            # arrays spread over a mesh (a training run's parameters, even over one device): such an
-            # executable loads back but crashes the process (SIGSEGV) when run -- reproduced with two
-            # identical `train --preset tiny` runs sharing a store -- so it is neither stored nor loaded
+            # arrays spread over a mesh (a training run's parameters): an executable for a mesh is
+            # bound to its devices, which nothing in the key names, so it is neither stored nor loaded
             return None
         ident = repr((self.name, fingerprint(), str(tree), static, avals)).encode()
         return root / f"{self.fun.__name__.strip('_')}-{hashlib.sha256(ident).hexdigest()[:40]}.bin"
@@ -329,6 +343,7 @@ class Program:
         import zstandard
         from jax.experimental import serialize_executable
 
+        prepare_loading()
         try:
             payload, in_tree, out_tree = pickle.loads(zstandard.ZstdDecompressor().decompress(path.read_bytes()))
             exe = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)

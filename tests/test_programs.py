@@ -3,6 +3,9 @@ recompile on demand), the executable store (a program compiled once is loaded ba
 damaged file is replaced) and dry runs (compiled, not computed; per thread)."""
 
 import dataclasses
+import os
+import subprocess
+import sys
 import threading
 
 import jax
@@ -156,9 +159,8 @@ def _shifted(x):
 
 def test_the_store_is_on_by_default_and_arrays_over_a_mesh_are_never_stored(monkeypatch):
     """An executable compiled for arrays over a mesh (a training run's parameters, even over one
-    device) loads back from a file but crashes the process when run (reproduced: two identical
-    `train --preset tiny` runs sharing a store, the second SIGSEGV), so such a signature is neither
-    stored nor looked up; the same arrays on one device are stored."""
+    device) is bound to that mesh's devices, which nothing in the key names, so such a signature is
+    neither stored nor looked up; the same arrays on one device are stored."""
     monkeypatch.delenv(programs.STORE_ENV, raising=False)
     store = programs.store_dir()
     assert store is not None  # on unless turned off
@@ -182,3 +184,37 @@ def test_the_store_is_on_by_default_and_arrays_over_a_mesh_are_never_stored(monk
     assert programs.stats()["loaded"] == loaded
     _shifted(x)  # one device: stored
     assert len(mine()) == 1
+
+
+LAPACK_PROGRAM = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from lev_jax import programs, runtime
+
+runtime.enable_compilation_cache()  # $LEV_JAX_CACHE: the store lives in it
+
+@programs.program()
+def solve(a, b):  # what Qwen3.5's delta rule does: a LAPACK custom call (lapack_strsm_ffi on CPU)
+    return jax.lax.linalg.triangular_solve(a, b, left_side=True, lower=True, unit_diagonal=True)
+
+a = jnp.asarray(np.tril(np.full((4, 4), 0.5, np.float32), -1))
+x = np.asarray(solve(a, jnp.ones((4, 3), jnp.float32)))
+print(programs.stats()["loaded"], float(x.sum()))
+"""
+
+
+def test_a_new_process_runs_a_stored_program_that_calls_lapack(tmp_path):
+    """A process that only loads a stored executable never lowers anything, and jaxlib fills in
+    LAPACK's function pointers when it first lowers a LAPACK operation: without
+    `programs.prepare_loading` the second process below crashed (SIGSEGV) running the loaded solve --
+    the cause of the crashes that kept the store opt-in for one stop (Qwen3.5's servers and training
+    runs)."""
+    env = {**os.environ, "LEV_JAX_CACHE": str(tmp_path), "LEV_JAX_PROGRAM_STORE": "1"}
+    runs = [
+        subprocess.run([sys.executable, "-c", LAPACK_PROGRAM], env=env, capture_output=True, text=True, timeout=300)
+        for _ in range(2)
+    ]
+    assert [r.returncode for r in runs] == [0, 0], runs[-1].stderr[-2000:]
+    first, second = (r.stdout.split() for r in runs)
+    assert first[0] == "0" and second[0] == "1"  # compiled, then loaded from the store
+    assert first[1] == second[1]

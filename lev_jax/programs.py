@@ -343,7 +343,11 @@ class Program:
         import zstandard
         from jax.experimental import serialize_executable
 
-        prepare_loading()
+        try:
+            prepare_loading()
+        except Exception as e:  # noqa: BLE001 — cannot make loading safe here: compile instead
+            log.warning("not loading stored programs (%s: %s)", type(e).__name__, e)
+            return None
         try:
             payload, in_tree, out_tree = pickle.loads(zstandard.ZstdDecompressor().decompress(path.read_bytes()))
             exe = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)

@@ -58,8 +58,7 @@ def _probs(answers: dict) -> list[float]:
     return [answers["refund"]["noul"], *answers["team"]["probabilities"].values()]
 
 
-def test_a_program_is_stored_and_loaded_back_without_compiling(monkeypatch):
-    monkeypatch.setenv(programs.STORE_ENV, "1")
+def test_a_program_is_stored_and_loaded_back_without_compiling():
     assert programs.store_dir() is not None  # tests/conftest.py: this session's own cache directory
     engine = _engine(seed=3)
     before = programs.stats()
@@ -83,7 +82,6 @@ def test_a_damaged_stored_program_is_dropped_and_never_stored_from_jax_s_cache(c
     persistent cache (this session's, where the first call also put it) has it, and an executable
     JAX loaded from there is not stored (serialised again it loads but cannot run: XLA:CPU), so the
     answers stay right in this process and in the next."""
-    monkeypatch.setenv(programs.STORE_ENV, "1")
     engine = _engine(seed=4)
     saved = []  # this engine's files only: other test processes store into the same directory meanwhile
     save = programs.Program._save
@@ -193,7 +191,6 @@ def test_the_store_is_on_by_default_and_arrays_over_a_mesh_are_never_stored(monk
 
 
 LAPACK_PROGRAM = """
-import sys
 import jax, jax.numpy as jnp, numpy as np
 from lev_jax import programs, runtime
 
@@ -215,7 +212,8 @@ def test_a_new_process_runs_a_stored_program_that_calls_lapack(tmp_path):
     `programs.prepare_loading` the second process below crashed (SIGSEGV) running the loaded solve --
     the cause of the crashes that kept the store opt-in for one stop (Qwen3.5's servers and training
     runs)."""
-    env = {**os.environ, "LEV_JAX_CACHE": str(tmp_path), "LEV_JAX_PROGRAM_STORE": "1"}
+    env = {k: v for k, v in os.environ.items() if k != programs.STORE_ENV}  # the default: stored
+    env["LEV_JAX_CACHE"] = str(tmp_path)
     runs = [
         subprocess.run([sys.executable, "-c", LAPACK_PROGRAM], env=env, capture_output=True, text=True, timeout=300)
         for _ in range(2)

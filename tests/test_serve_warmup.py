@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 import lev_jax
-from lev_jax import runtime
+from lev_jax import programs, runtime
 from lev_jax.readout import shapes
 from lev_jax.server import ServerConfig, create_app
 from lev_jax.server.scheduler import Scheduler
@@ -347,7 +347,7 @@ PROGRAM = textwrap.dedent(
 def test_a_new_process_reuses_compiled_programs_from_the_default_cache(tmp_path):
     """The persistent cache is on by default (here: XDG_CACHE_HOME moved into tmp_path): a second
     process loads the programs the first one compiled, and compiles none."""
-    env = {k: v for k, v in os.environ.items() if k not in (runtime.CACHE_ENV, "LEV_JAX_PROGRAM_STORE")}
+    env = {k: v for k, v in os.environ.items() if k not in (runtime.CACHE_ENV, programs.STORE_ENV)}
     env["XDG_CACHE_HOME"] = str(tmp_path)
     runs = [
         subprocess.run([sys.executable, "-c", PROGRAM], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)

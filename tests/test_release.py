@@ -114,10 +114,13 @@ def test_adapter_problems_are_one_error(base_dir, tmp_path):
 # ------------------------------------------------------------------ a trained run, released and served
 
 
+def _env():
+    return {**os.environ, "LEV_JAX_CACHE": str(CACHE), "HF_HUB_OFFLINE": "1"}
+
+
 def _train(*args):
-    env = {**os.environ, "LEV_JAX_CACHE": str(CACHE), "HF_HUB_OFFLINE": "1"}
     p = subprocess.run(
-        [sys.executable, "-m", "train", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
+        [sys.executable, "-m", "train", *args], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900
     )
     return p
 
@@ -177,6 +180,47 @@ def test_release_refuses_another_base_and_changed_files(released, tmp_path):
         f.write(b"\0")
     with pytest.raises(CheckpointError, match="changed since the release: adapter_model.safetensors"):
         lev_jax.load(str(changed))
+
+
+def test_data_distill_mixes_the_teachers_read_into_train_targets_only(released, tmp_path):
+    """`python -m data distill`: train choices get mix * target + (1 - mix) * the teacher's served
+    probabilities; calibration and test stay byte for byte; a second run resumes from the cache."""
+    from lev_jax.data.build import read_split
+    from lev_jax.data.guard import sha256_file
+
+    run_dir, rel = released
+    out = tmp_path / "kd"
+    cmd = [sys.executable, "-m", "data", "distill", "--data", str(run_dir / "data"), "--teacher", str(rel)]
+    p = subprocess.run([*cmd, "--out", str(out), "--mix", "0.25"], cwd=REPO, capture_output=True, text=True, env=_env())
+    assert p.returncode == 0, p.stderr[-3000:]
+    before, after = read_split(run_dir / "data", "train"), read_split(out, "train")
+    assert [r["uid"] for r in before] == [r["uid"] for r in after]
+    choices = [(b, a) for b, a in zip(before, after) if b["primitive"] == "choice"]
+    assert choices and all(
+        b["target_dist"] == a["target_dist"] for b, a in zip(before, after) if b["primitive"] != "choice"
+    )
+    teacher = lev_jax.load(str(rel))
+    for b, a in choices[:3]:
+        probs = teacher.predict(b["state"], {"q": b["question"]})["q"]["probabilities"]
+        want = [0.25 * t + 0.75 * probs[k] for t, k in zip(b["target_dist"], b["question"]["criteria"])]
+        np.testing.assert_allclose(a["target_dist"], want, atol=1e-4)  # read in batches of 8 here, alone there
+        assert abs(sum(a["target_dist"]) - 1) < 1e-6
+    for name in ("calibration.array_record", "test.array_record", "length_stats.json"):
+        assert (out / name).read_bytes() == (run_dir / "data" / name).read_bytes()
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["distilled"]["records"] == len(choices) and m["distilled"]["mix"] == 0.25
+    assert m["splits"]["train"]["sha256"] == sha256_file(out / "train.array_record")
+    # resume: every read is cached, so a rerun reads nothing and writes the same split
+    lines = (out / "teacher.jsonl").read_text().count("\n")
+    p = subprocess.run([*cmd, "--out", str(out), "--mix", "0.25"], cwd=REPO, capture_output=True, text=True, env=_env())
+    assert p.returncode == 0 and (out / "teacher.jsonl").read_text().count("\n") == lines == len(choices)
+    assert m["splits"]["train"]["sha256"] == sha256_file(out / "train.array_record")
+    # bad input: one line, non-zero, nothing written
+    p = subprocess.run(
+        [*cmd, "--out", str(tmp_path / "bad"), "--mix", "2"], cwd=REPO, capture_output=True, text=True, env=_env()
+    )
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "mix" in p.stderr
+    assert not (tmp_path / "bad").exists()
 
 
 def test_served_release_answers_the_sdk(released, tmp_path):

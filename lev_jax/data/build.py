@@ -553,7 +553,8 @@ def decode_row(data: bytes) -> dict[str, Any]:
     return json.loads(data.decode("utf-8"))
 
 
-def _write_split(path: Path, rows: list[dict[str, Any]]) -> None:
+def write_split(path: Path, rows: list[dict[str, Any]]) -> None:
+    """One split's rows as an ArrayRecord file, written beside it and renamed into place."""
     from array_record.python.array_record_module import ArrayRecordWriter
 
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -573,7 +574,7 @@ def write(result: BuildResult, out_dir: str | os.PathLike) -> dict[str, Any]:
     for s in SPLITS:
         rows = result.rows[s]
         f = out / f"{s}.array_record"
-        _write_split(f, rows)
+        write_split(f, rows)
         index = {
             "readout": [r["readout"] for r in rows],
             "length": [r["length"] for r in rows],

@@ -1,4 +1,4 @@
-"""``python -m data``: build | check | eval | list."""
+"""``python -m data``: build | check | eval | distill | list."""
 
 from __future__ import annotations
 
@@ -87,6 +87,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     e.add_argument("--out", required=True)
     e.add_argument("--split", default="test")
 
+    d = sub.add_parser("distill", help="a copy of a build whose train choices carry a teacher model's soft targets")
+    d.add_argument("--data", required=True, help="a build's --out folder")
+    d.add_argument("--teacher", required=True, help="what lev_jax.load() takes: a release, a run directory, ...")
+    d.add_argument("--out", required=True, help="the distilled build (resumes a stopped run into the same folder)")
+    d.add_argument("--mix", type=float, default=0.5, help="weight of the build's own target (the rest: the teacher's)")
+
     sub.add_parser("list", help="list the registry")
 
     args = ap.parse_args(argv)
@@ -122,6 +128,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             for task, n in counts.items():
                 print(f"{task}: {n} items")
             print(f"wrote {len(counts)} task file(s) to {args.out}")
+        elif args.cmd == "distill":
+            from lev_jax.data.distill import distill
+
+            try:
+                info = distill(args.data, args.out, args.teacher, mix=args.mix)["distilled"]
+            except (ValueError, OSError) as e:  # a missing build or teacher, a bad mix: one line, not a trace
+                print(f"error: {e}", file=sys.stderr)
+                return EXIT_USAGE
+            print(
+                f"wrote {args.out}: {info['records']} train choices distilled from {info['teacher']} "
+                f"(mix {info['mix']}; its argmax is the target on {info['teacher_argmax_is_target']:.3f})"
+            )
         elif args.cmd == "list":
             for s in REGISTRY.values():
                 cfg_s = f":{s.config}" if s.config else ""

@@ -122,6 +122,13 @@ def test_an_exits_run_starts_from_a_release(stage):
     assert sorted(exits) == ["1", "2", "3"]
     events = json.loads((run / "history.json").read_text())["events"]
     assert any(e.get("from_release") for e in events)
+    # its release names the release it continued (the adapter's lineage), and its card says so
+    staged = root / "from-release-release"
+    make_release(run, staged)
+    name = json.loads((rel / "lev_release.json").read_text())["name"]
+    m = json.loads((staged / "lev_release.json").read_text())
+    assert m["training"]["started_from"] == name and m["training"]["distilled"] is None
+    assert f"starting from the release `{name}`" in (staged / "README.md").read_text()
     bad = train(root / "misfit", *args, "--set", "lora_rank=4", "--steps", "1", *FAST, check=False)
     assert bad.returncode == 2 and not (root / "misfit" / "checkpoints").exists()
     [line] = bad.stderr.strip().splitlines()

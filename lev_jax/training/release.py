@@ -155,9 +155,21 @@ def _card(manifest: dict) -> str:
         "",
         f"A LoRA adapter (rank {train['lora_rank']}, alpha {train['lora_alpha']}) for `{base['model']}` "
         f"(weights sha256 `{base['weights_sha256'][:16]}...`), trained by lev-jax's `python -m train "
-        f"--preset {train['preset']}` for {manifest['step']} steps. It reads decisions (choice, score, noul) "
+        f"--preset {train['preset']}` for {manifest['step']} steps"
+        + (f", starting from the release `{train['started_from']}`" if train.get("started_from") else "")
+        + ". It reads decisions (choice, score, noul) "
         "from the next-token distribution over single-token label codes; nothing is generated.",
         "",
+        *(
+            [
+                f"Its train choices' targets mix the gold ({d['mix']}) with the served probabilities of "
+                f"`{d['teacher']}` ({1 - d['mix']:g}; `python -m data distill`): the teacher's argmax is the "
+                f"gold on {d['teacher_argmax_is_target']:.3f} of {d['records']:,} records.",
+                "",
+            ]
+            if (d := train.get("distilled"))
+            else []
+        ),
         *(
             [
                 f"Mode B: a scorer head (`{manifest['mode_b']['head']}`) reads choices of "
@@ -200,6 +212,22 @@ def _card(manifest: dict) -> str:
         lines.append("See the run's data build (its manifest).")
     lines.append("")
     return "\n".join(lines)
+
+
+def _lineage(run_dir: Path, data_dir: Path) -> dict:
+    """What a run started from beyond its base: the release a stage continued (`--from-release`, in
+    the run's history) and the teacher of a distilled data build (its manifest)."""
+    out: dict = {"started_from": None, "distilled": None}
+    try:
+        events = json.loads((run_dir / "history.json").read_text(encoding="utf-8"))["events"]
+        out["started_from"] = next((e["from_release"] for e in events if e.get("event") == "stage"), None)
+    except (OSError, ValueError, KeyError):
+        pass
+    try:
+        out["distilled"] = json.loads((data_dir / "manifest.json").read_text(encoding="utf-8")).get("distilled")
+    except (OSError, ValueError):
+        pass
+    return out
 
 
 def _data_sources(data_dir: Path) -> list[dict]:
@@ -302,6 +330,7 @@ def make(run_dir, out_dir, *, step: int | None = None, eval_dir=None, depth_dir=
                 "loss": getattr(cfg, "loss", None),
                 "steps": got_step,
                 "data": _data_sources(Path(cfg.data) if cfg.data else run_dir / "data"),
+                **_lineage(run_dir, Path(cfg.data) if cfg.data else run_dir / "data"),
             },
             "engine": {k: getattr(cfg, k) for k in run.ENGINE_KEYS},
             "mode_b": None if head is None else {"head": HEAD_FILE, "min_options": cfg.mode_b_min_options},

@@ -2,11 +2,12 @@
 
     python -m data distill --data BUILD --teacher lev_jax/default --out BUILD_KD [--mix 0.5]
 
-Every train record that asks a choice is read by the teacher as served (its own prompt settings and
-calibration, one request per record) and its `target_dist` becomes ``mix * target + (1 - mix) *
-teacher``, over the record's options in its own order. A Mode B run on such a build learns the
-teacher's confusions as well as the gold, and with `mode_b_options` its sampled rows hold the gold
-plus the options the teacher finds most alike: hard negatives where random ones are mostly easy.
+Every train record that asks a choice (abstain rows aside: their uniform target stays) is read by
+the teacher as served (its own prompt settings and calibration, one request per record) and its
+`target_dist` becomes ``mix * target + (1 - mix) * teacher``, over the record's options in its own
+order. A Mode B run on such a build learns the teacher's confusions as well as the gold, and with
+`mode_b_options` its sampled rows hold the gold plus the options the teacher finds most alike: hard
+negatives where random ones are mostly easy.
 
 Only the train split changes: calibration and test are copied byte for byte (a temperature is never
 fitted on a teacher's view, and nothing is measured on one). The teacher's reads are appended to
@@ -45,11 +46,17 @@ def _cached(path: Path) -> dict[str, list[float]]:
     return done
 
 
+def distillable(record: dict[str, Any]) -> bool:
+    """A choice with a gold: abstain rows (a question over an unrelated state) keep their uniform
+    target, which says the state holds no answer, whatever a teacher would guess."""
+    return record["primitive"] == "choice" and not record.get("abstain")
+
+
 def teacher_reads(engine, records: list[dict[str, Any]], cache: Path, log: Callable[[str], None] = print) -> dict:
     """uid -> the engine's probabilities over each choice record's options (in the record's order),
     read in micro-batches and appended to `cache`; records already there are not read again."""
     done = _cached(cache)
-    todo = [r for r in records if r["primitive"] == "choice" and r["uid"] not in done]
+    todo = [r for r in records if distillable(r) and r["uid"] not in done]
     with cache.open("a", encoding="utf-8") as f:
         for k in range(0, len(todo), READ_BATCH):
             chunk = todo[k : k + READ_BATCH]
@@ -73,15 +80,14 @@ def mixed_targets(records: list[dict[str, Any]], reads: dict, mix: float) -> tup
     out, agree = [], []
     for r in records:
         p = reads.get(r["uid"])
-        if p is None:
+        if p is None or not distillable(r):
             out.append(r)
             continue
         target = np.asarray(r["target_dist"], np.float64)
         p = np.asarray(p, np.float64)
         if p.shape != target.shape:
             raise ValueError(f"record {r['uid']}: the teacher read {p.size} options, the record has {target.size}")
-        if target.max() > target.min():  # abstain rows (uniform targets) say nothing about the gold
-            agree.append(int(np.argmax(p) == np.argmax(target)))
+        agree.append(int(np.argmax(p) == np.argmax(target)))
         out.append({**r, "target_dist": [float(x) for x in mix * target + (1 - mix) * p]})
     return out, float(np.mean(agree)) if agree else float("nan")
 
@@ -110,7 +116,7 @@ def distill(data_dir, out_dir, teacher: str, *, mix: float = 0.5, log: Callable[
     manifest["distilled"] = {
         "teacher": engine.model_name,
         "mix": mix,
-        "records": sum(1 for r in records if r["uid"] in reads),
+        "records": sum(1 for r in records if distillable(r)),
         "teacher_argmax_is_target": agreement,
         "source_train_sha256": source_sha,
     }

@@ -104,8 +104,8 @@ def distill(data_dir, out_dir, teacher: str, *, mix: float = 0.5, log: Callable[
     manifest = json.loads((src / "manifest.json").read_text(encoding="utf-8"))
     records = read_split(src, "train")
     source_sha = manifest["splits"]["train"]["sha256"]
+    engine = lev_jax.load(teacher)  # a teacher that does not load is refused before anything is written
     out.mkdir(parents=True, exist_ok=True)
-    engine = lev_jax.load(teacher)
     reads = teacher_reads(engine, records, out / CACHE, log)
     rows, agreement = mixed_targets(records, reads, mix)
     for f in src.iterdir():

@@ -48,14 +48,15 @@ def choice_pieces_marked(
 ) -> tuple[str, list[str], str]:
     """Mode B's layout of a choice: (the text before the first option, one line per option in
     presentation order, the text after the last). The reserved marker token follows each option line
-    (inserted as a token id, never parsed from text): the scorer head reads the hidden state there.
-    `state_block` (schema first) stands between the question and the options."""
+    (inserted as a token id, never parsed from text). `state_block` (schema first) follows the
+    closing line, as the state follows the options in Mode A's schema-first rows: the answer
+    position, last, has read both (the scorer head's query)."""
     lines = []
     for key, desc in options:
         d = render_value(desc)
         lines.append(f"- {key}: {d}" if d else f"- {key}")
-    state = f"\n{state_block}\n\n" if state_block else ""
-    return f"Question: {instructions}\n{state}Options:\n", lines, "\nWhich option fits best?"
+    state = f"\n\n{state_block}" if state_block else ""
+    return f"Question: {instructions}\nOptions:\n", lines, "\nWhich option fits best?" + state
 
 
 def score_text(instructions: str, levels: list[str], codes: list[str]) -> str:

@@ -1,6 +1,7 @@
 """Mode B vs Mode A for one large choice: tokens and warm latency, same run, same model.
 
     python -m scripts.bench_modeb [--ns 77,150,255] [--repeats 3] [--dtype float32] [--markdown]
+    python -m scripts.bench_modeb --per-state out/evalsets/banking77-test.json out/evalsets/clinc150-test.json
 
 The embedded SmolLM2-135M with a (random) Mode B head — the cost of a readout does not depend on
 what the head learned — answers one choice question of N options ("Queue 001": "Tickets routed to
@@ -9,6 +10,11 @@ label code per option; the engine's prompt settings decide whether both presenta
 read) and once by Mode B (one marked row). Per mode: the rows and their tokens (engine.plan), the
 first call (compiles) and the median of --repeats warm calls (the state prefix then comes from the
 cross-request cache: a warm call processes the question's rows only). Prints Mode B / Mode A ratios.
+
+`--per-state EVALSET ...`: for a fixed taxonomy asked of many states (the shipped default's use), the
+tokens a server computes once per question (the prefix every state's row shares: the prefix cache)
+and the tokens each state adds, read by Mode A and by Mode B with the shipped default's prompt
+settings, over the first --items items of each levbench eval set (token counts only: no model runs).
 """
 
 from __future__ import annotations
@@ -45,13 +51,64 @@ def measure(engine, n: int, repeats: int) -> dict:
     }
 
 
+def common_length(seqs: list[list[int]]) -> int:
+    n = min(len(q) for q in seqs)
+    for k in range(n):
+        if len({q[k] for q in seqs}) > 1:
+            return k
+    return n
+
+
+def per_state(paths: list[str], items: int) -> int:
+    """Shared and own tokens per state of Mode A and Mode B rows (the shipped default's settings)."""
+    import json
+
+    from lev_jax.bench.evalset import EvalSet
+    from lev_jax.engine import DEFAULT_RELEASE, load_backbone
+    from lev_jax.readout import Planner
+
+    manifest = json.loads((DEFAULT_RELEASE / "lev_release.json").read_text())
+    settings = {k: manifest["engine"][k] for k in ("prompt_style", "layout", "option_averaging")}
+    tok = load_backbone().tokenizer
+    planners = {
+        "A": Planner(tok, mode_b=False, **settings),
+        "B": Planner(tok, mode_b=True, mode_b_min_options=2, **settings),
+    }
+    print(f"settings: {settings}")
+    print(
+        "\n| task | options | Mode A: shared / own tokens per state "
+        "| Mode B: shared / own tokens per state | B/A own tokens |"
+    )
+    print("|---|---:|---:|---:|---:|")
+    for path in paths:
+        es = EvalSet.load(path)
+        counts = {}
+        for mode, planner in planners.items():
+            seqs = []
+            for item in es.items[:items]:
+                [(qid, q)] = es.questions_for(item).items()
+                plan = planner.plan(item["state"], {qid: q})
+                [row] = plan.rows
+                seqs.append(list(plan.prefix_ids) + row.tokens)
+            shared = common_length(seqs)
+            counts[mode] = (shared, sum(len(q) - shared for q in seqs) / len(seqs))
+        (sa, oa), (sb, ob) = counts["A"], counts["B"]
+        n = len(next(iter(es.questions.values()))["criteria"])
+        print(f"| {es.task} | {n} | {sa} / {oa:.1f} | {sb} / {ob:.1f} | {ob / oa:.2f}x |")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ns", default="77,150,255")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--per-state", nargs="+", metavar="EVALSET", help="token counts per state (no model runs)")
+    ap.add_argument("--items", type=int, default=50)
     args = ap.parse_args(argv)
+    if args.per_state:
+        return per_state(args.per_state, args.items)
 
     import lev_jax
     from lev_jax.engine import Engine

@@ -67,7 +67,8 @@ def test_marker_scores_after_a_shared_prefix_equal_one_full_forward(tiny, n):
     )
     for b, (t, m) in enumerate(rows):
         hidden, _ = models.forward(bb.params, jnp.asarray([prefix + t]), None, bb.config)
-        want = np.asarray(modeb.head_scores(head, hidden[:, np.asarray(m) + len(prefix)]))[0]
+        answer_hidden = hidden[:, len(prefix) + len(t) - 1]
+        want = np.asarray(modeb.head_scores(head, answer_hidden, hidden[:, np.asarray(m) + len(prefix)]))[0]
         # the question's distribution (as predict() answers it) to 1e-5; the raw scores of a 2k-token
         # row differ by fp32 rounding through the layers (<= 3.3e-4 on these deliberately large-weight models)
         np.testing.assert_allclose(_softmax(fast[b]), _softmax(want), atol=1e-5, rtol=0)
@@ -81,9 +82,12 @@ def test_head_round_trips_through_named_tensors():
     for k in head:
         np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(head[k]))
     bad = modeb.head_tensors(head)
-    del bad["mode_b_head.w2"]
-    with pytest.raises(ValueError, match="mode_b_head.w2"):
+    del bad["mode_b_head.wk"]
+    with pytest.raises(ValueError, match="mode_b_head.wk"):
         modeb.head_from_tensors(bad)
+    wrong = {**modeb.head_tensors(head), "mode_b_head.wp": np.zeros(47, np.float32)}
+    with pytest.raises(ValueError, match="width-16 pointer"):
+        modeb.head_from_tensors(wrong)
 
 
 # ------------------------------------------------------------------ predict(): the router and Mode B rows
@@ -152,7 +156,7 @@ def test_mode_b_rows_of_a_stacked_micro_batch_equal_full_forwards(engine_b):
             np.testing.assert_allclose(_probs(got[q]), _probs(ref[q]), atol=1e-5, rtol=0)
 
 
-def test_schema_first_mode_b_row_reads_the_state_before_the_options():
+def test_schema_first_mode_b_row_lists_the_options_then_the_state():
     from lev_jax.engine import Engine
 
     bb = tiny_backbone("llama", seed=2)
@@ -160,8 +164,11 @@ def test_schema_first_mode_b_row_reads_the_state_before_the_options():
     eng = Engine(bb, layout="schema_first", option_averaging=False)
     qs = {"q": _choice(40)}
     [row] = eng.plan(STATE, qs).questions[0].rows
-    text = bb.tokenizer.decode(row.tokens[: row.markers[0]])
-    assert text.index("Which queue") < text.index("nobody answers") < text.index("Queue 000")
+    text = bb.tokenizer.decode(row.tokens)
+    # as in Mode A's schema-first rows: the answer position (the pointer's query) reads the state
+    # right after the options it points into
+    assert text.index("Which queue") < text.index("Queue 000") < text.index("Queue 039") < text.index("nobody answers")
+    assert bb.tokenizer.decode(row.tokens[row.markers[-1] :]).count("nobody answers") == 1
     fast, ref = eng.predict(STATE, qs), eng.predict(STATE, qs, reference=True)
     np.testing.assert_allclose(_probs(fast["q"]), _probs(ref["q"]), atol=1e-5, rtol=0)
 

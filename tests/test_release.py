@@ -306,7 +306,7 @@ def test_mode_b_release_carries_the_head_and_serves_what_the_run_serves(released
     assert m["mode_b"] == {"head": "mode_b_head.safetensors", "min_options": 3}
     assert "mode_b_head.safetensors" in m["files"] and "Mode B" in (rel / "README.md").read_text()
     head = load_file(str(rel / "mode_b_head.safetensors"))
-    assert head["mode_b_head.w1"].dtype == np.float32 and head["mode_b_head.w1"].shape[1] == 256
+    assert head["mode_b_head.wq"].dtype == np.float32 and head["mode_b_head.wq"].shape[1] == 256
     q = {
         "team": {"type": "choice", "criteria": {"Billing": None, "Shipping": "parcels", "Sales": None, "Legal": None}},
         "two": {"type": "choice", "criteria": {"a": None, "b": None}},

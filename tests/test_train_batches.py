@@ -172,7 +172,7 @@ def test_mode_b_examples_train_the_marked_row_shuffled_and_the_mode_a_rows(bb):
     trainer = loop.Trainer(cfg, bb, mesh_lib.make(""))
     state = trainer.init_state()
     trainable = jax.tree.map(lambda x: x + 0.05, state["trainable"])
-    assert set(trainable[modeb.HEAD_KEY]) == {"w1", "b1", "w2", "b2"}
+    assert set(trainable[modeb.HEAD_KEY]) == {"wq", "wk", "wp"}
     examples = [r.example(rec, r.rng(0, k)) for k, rec in enumerate(RECORDS)]
     arrays, _ = batches.pack(examples)
     assert sum(p["marked_ER"].sum() for p in batches.parts(arrays)) == 2  # both 4-option choices
@@ -191,7 +191,7 @@ def test_mode_b_examples_train_the_marked_row_shuffled_and_the_mode_a_rows(bb):
         for w, g, row in zip(want, got, e.rows):
             np.testing.assert_allclose(g[: row.width], w, atol=2e-4, rtol=0)
     grads = jax.grad(lambda t: trainer.loss(t, trainer.frozen, arrays)[0])(trainable)
-    assert float(jnp.abs(grads[modeb.HEAD_KEY]["w1"]).max()) > 0
+    assert all(float(jnp.abs(g).max()) > 0 for g in grads[modeb.HEAD_KEY].values())  # query, key and prior
 
 
 def _row_index(arrays, examples, example):
@@ -231,7 +231,7 @@ def test_mode_b_rows_are_a_part_of_their_own_and_scores_equal_the_rows_alone(bb)
     assert float(l1) == pytest.approx(float(l2), abs=1e-5)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
-    assert float(jnp.abs(g1[modeb_key()]["w1"]).max()) > 0
+    assert float(jnp.abs(g1[modeb_key()]["wq"]).max()) > 0
     # a lone marked row packs with its markers in the row, not in a shared prefix
     lone = batches.Renderer(Planner(bb.tokenizer, **kw), seed=0, mode_b_joint=False).example(
         _same_question(1)[0], r.rng(0, 0)

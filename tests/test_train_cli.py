@@ -161,7 +161,7 @@ def test_plan_counts_mode_b_marked_rows_the_head_and_their_attention(tmp_path):
     assert f"{choices:,} routed to Mode B" in b.data and "routed" not in a.data
     assert b.tokens_per_example > a.tokens_per_example and b.flops > a.flops
     E = plan.model_config(base)[0].hidden_size
-    assert b.trainable - a.trainable == E * modeb.HEAD_WIDTH + 2 * modeb.HEAD_WIDTH + 1
+    assert b.trainable - a.trainable == 2 * E * modeb.HEAD_WIDTH + E  # the pointer's query, key and prior
     assert b.memory["activations"] > a.memory["activations"]
     head_only = config.resolve("tiny", {"mode_b": True, "mode_b_min_options": 3, "train_adapter": False})
     c = plan.estimate(head_only, data_dir=data)

@@ -300,7 +300,7 @@ def test_head_only_mode_b_stage_leaves_the_adapter_untouched(tmp_path):
         adapter_unchanged(plain / "checkpoints" / "2", stage / "checkpoints" / str(step), "mode_b_head")
         for step in (3, 4)
     ]
-    assert not np.array_equal(np.asarray(heads[0]["w1"]), np.asarray(heads[1]["w1"]))
+    assert not np.array_equal(np.asarray(heads[0]["wq"]), np.asarray(heads[1]["wq"]))
     # a head-only stage needs the head: refused in one line before any work
     q = train(tmp_path / "bad", "--set", "train_adapter=false", check=False)
     assert q.returncode == 2 and "train_adapter=false trains only the Mode B head" in q.stderr

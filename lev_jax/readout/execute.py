@@ -354,10 +354,11 @@ class Executor:
                     tokens, valid = logits_lib.pack_prefixes(
                         [ids], 1, buckets.fit(len(ids), buckets.REFERENCE, "a row")
                     )
-                if r.markers is not None:  # Mode B: the head over the hidden states at the markers
-                    at = np.asarray([[len(prefix_ids) + m for m in r.markers]], np.int32)
+                if r.markers is not None:  # Mode B: the head over the markers' and the answer's hidden states
+                    at = np.asarray([[len(ids) - 1] + [len(prefix_ids) + m for m in r.markers]], np.int32)
                     hidden = self.backbone.hidden_at(tokens, at, attention_mask_BT=valid, **mm)
-                    per.append(np.asarray(modeb.head_scores(self.backbone.mode_b_head, hidden))[0])
+                    scores = modeb.head_scores(self.backbone.mode_b_head, hidden[:, 0], hidden[:, 1:])
+                    per.append(np.asarray(scores)[0])
                     continue
                 # the whole vocabulary's logits at the answer position only (not at every padded position),
                 # then the label tokens picked from them: independent of the fast path's label-row gather
@@ -426,7 +427,7 @@ class Executor:
         behind: several times slower per token at 2k tokens, BENCHMARKS.md)."""
         bb = self.backbone
         offset, slots = (0, 0) if cache is None else (int(cache["offset"]), int(cache["valid"].shape[1]))
-        start, scores = 0, []
+        start, keys = 0, []
         for call in self.long_row_calls(offset, slots, row):
             kind, size, length = call[:3]
             if kind == "tail":
@@ -441,23 +442,34 @@ class Executor:
                 part, cache = logits_lib.extend_cache_marked(
                     bb.params, bb.mode_b_head, cache, tokens, valid, jnp.asarray(pos), bb.config
                 )
-                scores.append(np.asarray(part)[0, : len(inside)])
+                keys.append(np.asarray(part)[0, : len(inside)])
             else:
                 cache = logits_lib.extend_cache(bb.params, cache, tokens, valid, bb.config)
             start += length
         tail = row.after(start)
         batch = logits_lib.pack_rows([tail], 1, length, call[3])
+        if batch.marked:  # the answer position's query against every marker's key, the chunks' first
+            tail_keys, query = logits_lib.read_marked_tail(
+                bb.params,
+                bb.mode_b_head,
+                cache,
+                *map(jnp.asarray, (batch.tokens_BT, batch.valid_BT, batch.answer_B, batch.markers_BC)),
+                bb.config,
+            )
+            all_keys = np.concatenate(keys + [np.asarray(tail_keys)[0, : tail.width]])
+            return all_keys @ np.asarray(query)[0]
         logits = logits_lib.read_rows(
             bb.params,
-            bb.mode_b_head if batch.marked else None,
+            None,
             cache,
             None,
             *map(jnp.asarray, (batch.tokens_BT, batch.valid_BT, batch.answer_B, batch.label_ids_BC)),
-            *((jnp.asarray(batch.markers_BC), jnp.asarray(batch.marked_B)) if batch.marked else (None, None)),
+            None,
+            None,
             bb.config,
             anchored=False,  # one row, one call, no rerun to fall back on: the exact softmax
         )
-        return np.concatenate(scores + [np.asarray(logits)[0, : tail.width]])
+        return np.asarray(logits)[0, : tail.width]
 
     def compute_segments(self, cache, headers: list[list[int]], prefix_of_header: list[int] | None = None):
         """(segment cache of every header after the shared prefix, or after its own prefix of a

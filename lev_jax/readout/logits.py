@@ -167,7 +167,8 @@ def rows_scores(
 ):
     """[B, C] fp32 scores of B rows continuing `cache` (as `rows_label_logits`), each row read its
     own way: Mode A rows as label logits at the answer position, Mode B rows (`marked_B`) as the
-    scorer `head`'s scores (readout.modeb) of the final-normed hidden state at `markers_BC`. With
+    pointer `head`'s scores (readout.modeb) of the final-normed hidden states at `markers_BC`
+    against the answer position's. With
     `head` None every row is Mode A (the markers are not read): the one readout serving and
     training share."""
     if head is None:
@@ -177,7 +178,7 @@ def rows_scores(
     readout_BR = jnp.concatenate([answer_B[:, None], markers_BC], axis=1)
     hidden_BRE = rows_hidden(params, cache, prefix_B, tokens_BT, valid_BT, readout_BR, cfg, anchored, remat)
     letter_BC = models.label_logits(params, hidden_BRE[:, 0], label_ids_BC, cfg)
-    return jnp.where(marked_B[:, None], modeb.head_scores(head, hidden_BRE[:, 1:]), letter_BC)
+    return jnp.where(marked_B[:, None], modeb.head_scores(head, hidden_BRE[:, 0], hidden_BRE[:, 1:]), letter_BC)
 
 
 def prefixed_label_logits(
@@ -289,10 +290,20 @@ def extend_cache(params, cache, tokens_BT, valid_BT, cfg):
 
 @programs.program(("cfg",), dry=True)
 def extend_cache_marked(params, head, cache, tokens_BT, valid_BT, markers_BR, cfg):
-    """(Mode B head scores at `markers_BR`, the continued cache): `extend_cache` for a chunk of a
-    long Mode B row, whose markers inside the chunk are read on the way."""
+    """(Mode B head keys at `markers_BR`, the continued cache): `extend_cache` for a chunk of a long
+    Mode B row, whose markers inside the chunk are read on the way (their keys wait for the row's
+    answer position, `read_marked_tail`)."""
     hidden_BRE, cache = models.forward(params, tokens_BT, cache, cfg, valid_BT=valid_BT, readout_BR=markers_BR)
-    return modeb.head_scores(head, hidden_BRE), cache
+    return modeb.marker_keys(head, hidden_BRE), cache
+
+
+@programs.program(("cfg",), dry=True)
+def read_marked_tail(params, head, cache, tokens_BT, valid_BT, answer_B, markers_BC, cfg):
+    """(keys at `markers_BC`, query at `answer_B`) of the last tokens of long Mode B rows continuing
+    `cache`: with the keys of the row's earlier chunks (`extend_cache_marked`), its scores."""
+    readout_BR = jnp.concatenate([answer_B[:, None], markers_BC], axis=1)
+    hidden_BRE = rows_hidden(params, cache, None, tokens_BT, valid_BT, readout_BR, cfg, False, "none")
+    return modeb.marker_keys(head, hidden_BRE[:, 1:]), modeb.answer_query(head, hidden_BRE[:, 0])
 
 
 def compiled_programs() -> int:
@@ -300,6 +311,7 @@ def compiled_programs() -> int:
     return (
         read_rows.count()
         + extend_cache_marked.count()
+        + read_marked_tail.count()
         + read_segment_rows.count()
         + compute_segments.count()
         + extend_cache.count()

@@ -218,9 +218,9 @@ def group_rows(examples: Sequence[Example]) -> list[Group]:
     the whole question computed once; states that share only the system header stay apart, their
     state computed once for both option orders). Each row keeps >= 1 token of its own.
 
-    Mode B (marked) rows and Mode A rows never share a group: with the schema first
-    the marked row carries the state before its options, so it shares only the question's opening
-    with the Mode A rows, and kept together they would make every Mode A row carry the whole
+    Mode B (marked) rows and Mode A rows never share a group: the marked row lists its options
+    with markers where the Mode A rows carry codes, so it shares only the question's opening
+    with them, and kept together they would make every Mode A row carry the whole
     question; apart, the Mode A rows of a question-grouped batch join over the question. A marked
     unit's shared prefix stops before its first marker (the head reads the markers in the rows)."""
     units = []

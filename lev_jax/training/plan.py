@@ -282,7 +282,7 @@ def estimate(cfg: TrainConfig, *, data_dir: Path | None = None, devices: int | N
     if cfg.mode_b:
         from lev_jax.readout import modeb
 
-        trainable += int(mcfg.hidden_size) * modeb.HEAD_WIDTH + 2 * modeb.HEAD_WIDTH + 1
+        trainable += modeb.head_parameters(int(mcfg.hidden_size))
     dt = data_tokens(cfg, data_dir)
     per_example = dt.per_example
     devices = devices or (1 if not cfg.mesh else math.prod(_mesh_sizes(cfg.mesh).values()))

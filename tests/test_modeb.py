@@ -1,5 +1,5 @@
 """Mode B's pieces (lev_jax/readout/modeb.py): the reserved marker of each tokenizer, the marked row,
-the scorer head over the marker hidden states read after a shared state prefix, against one full
+the pointer head over the marker and answer hidden states read after a shared state prefix, against one full
 forward of the whole sequence; 151 and 255 options in one row each."""
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ class Row:
     # one question computes the question once
     stateless: int = 0
     # Mode B: the positions (in `tokens`) of the marker after each candidate, in code order; the
-    # scorer head reads the hidden state there and `label_ids` is empty
+    # pointer head reads the hidden state there (against the answer position's) and `label_ids` is empty
     markers: list[int] | None = None
 
     @property

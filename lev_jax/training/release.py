@@ -174,7 +174,8 @@ def _card(manifest: dict) -> str:
             [
                 f"Mode B: a scorer head (`{manifest['mode_b']['head']}`) reads choices of "
                 f"{manifest['mode_b']['min_options']} or more options in one row: each option is followed by a "
-                "reserved marker token and the head scores the hidden state there.",
+                "reserved marker token, and the head scores the hidden state there against the answer position's "
+                "(a pointer over the options).",
                 "",
             ]
             if manifest.get("mode_b")

@@ -232,13 +232,58 @@ def test_mode_b_rows_are_a_part_of_their_own_and_scores_equal_the_rows_alone(bb)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
     assert float(jnp.abs(g1[modeb_key()]["wq"]).max()) > 0
-    # a lone marked row packs with its markers in the row, not in a shared prefix
+    # sampled subsets differ per state: each group's prefix stops before the markers, read in the rows
+    assert all(g.markers is None and len(g.prefix) <= len(examples[g.rows[0][0]].prefix) + 13 for g in marked)
+    assert not part_b["prefix_keyed_E"].any()
+    # a lone marked row computes all but its last token as its prefix, markers included
     lone = batches.Renderer(Planner(bb.tokenizer, **kw), seed=0, mode_b_joint=False).example(
         _same_question(1)[0], r.rng(0, 0)
     )
     (g,) = batches.group_rows([lone])
-    assert len(g.prefix) <= len(lone.prefix) + min(lone.rows[0].markers)
+    assert g.markers == [len(lone.prefix) + m for m in lone.rows[0].markers] and len(g.rows[0][2]) == 1
     assert batches.pack([lone])[0]["marked_ER"].sum() == 1
+
+
+def test_a_batch_of_one_question_reads_its_options_once_in_the_prefix(bb):
+    """Every option (no sampling): a batch's marked rows share one seeded option order, so with the
+    schema first the options block, markers and all, is their group's prefix (its markers read
+    there once) and each state is a short row after it; the step's scores and gradients equal
+    every row read alone (markers in the row), and the order changes from batch to batch."""
+    kw = {"mode_b": True, "mode_b_min_options": 4, "layout": "schema_first", "option_averaging": False}
+    r = batches.Renderer(Planner(bb.tokenizer, **kw), seed=0, mode_b_joint=False)
+    records = _same_question(4)
+    examples, _ = r.batch({"rows": records, "index": np.arange(4), "epoch": 0})
+    assert len({tuple(ex.levels[0]) for ex in examples}) == 1  # one order for the batch
+    other, _ = r.batch({"rows": records, "index": np.arange(4, 8), "epoch": 0})
+    assert other[0].levels[0] != examples[0].levels[0]
+    (g,) = batches.group_rows(examples)
+    row = examples[0].rows[0]
+    assert g.markers == [len(examples[0].prefix) + m for m in row.markers]  # every marker in the prefix
+    assert all(len(t) < len(row.tokens) - row.markers[-1] for _, _, t in g.rows)  # states after the options
+    arrays, _ = batches.pack(examples)
+    assert arrays["prefix_keyed_E"].sum() == 1 and arrays["marked_ER"].sum() == 4
+    np.testing.assert_array_equal(arrays["prefix_markers_EC"][0, :12], g.markers)
+    cfg = config.resolve("tiny", {k: v for k, v in kw.items() if k != "option_averaging"})
+    trainer = loop.Trainer(cfg, bb, mesh_lib.make(""))
+    trainable = jax.tree.map(lambda x: x + 0.05, trainer.init_state()["trainable"])
+    grad = jax.jit(jax.value_and_grad(lambda t, f, b: trainer.loss(t, f, b)[0]))
+    alone, _ = batches.pack(examples, shared=False)
+    assert not alone["prefix_keyed_E"].any()
+    (l1, g1), (l2, g2) = grad(trainable, trainer.frozen, arrays), grad(trainable, trainer.frozen, alone)
+    assert float(l1) == pytest.approx(float(l2), abs=1e-5)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+    assert float(jnp.abs(g1[modeb_key()]["wk"]).max()) > 0
+    # the same rows read one at a time (rows_per_call) score alike
+    chunked_cfg = config.resolve(
+        "tiny", {**{k: v for k, v in kw.items() if k != "option_averaging"}, "rows_per_call": 3}
+    )
+    chunked = loop.Trainer(chunked_cfg, bb, mesh_lib.make(""))
+    np.testing.assert_allclose(
+        np.asarray(chunked.logits(trainable, trainer.frozen, arrays)),
+        np.asarray(trainer.logits(trainable, trainer.frozen, arrays)),
+        rtol=1e-6,
+    )
 
 
 def modeb_key():

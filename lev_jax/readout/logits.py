@@ -164,13 +164,16 @@ def rows_scores(
     *,
     anchored: bool = False,
     remat: str = "none",
+    keys_BCK=None,
+    keyed_B=None,
 ):
     """[B, C] fp32 scores of B rows continuing `cache` (as `rows_label_logits`), each row read its
     own way: Mode A rows as label logits at the answer position, Mode B rows (`marked_B`) as the
     pointer `head`'s scores (readout.modeb) of the final-normed hidden states at `markers_BC`
-    against the answer position's. With
-    `head` None every row is Mode A (the markers are not read): the one readout serving and
-    training share."""
+    against the answer position's. With `head` None every row is Mode A (the markers are not read):
+    the one readout serving and training share. `keys_BCK` / `keyed_B`: the head's keys of Mode B
+    rows whose markers were read before the row (`modeb.marker_keys`: in the prefix the row
+    continues, or a long row's earlier chunks); a `keyed_B` row scores its answer against them."""
     if head is None:
         return rows_label_logits(
             params, cache, prefix_B, tokens_BT, valid_BT, answer_B, label_ids_BC, cfg, anchored=anchored, remat=remat
@@ -178,7 +181,11 @@ def rows_scores(
     readout_BR = jnp.concatenate([answer_B[:, None], markers_BC], axis=1)
     hidden_BRE = rows_hidden(params, cache, prefix_B, tokens_BT, valid_BT, readout_BR, cfg, anchored, remat)
     letter_BC = models.label_logits(params, hidden_BRE[:, 0], label_ids_BC, cfg)
-    return jnp.where(marked_B[:, None], modeb.head_scores(head, hidden_BRE[:, 0], hidden_BRE[:, 1:]), letter_BC)
+    keys = modeb.marker_keys(head, hidden_BRE[:, 1:])
+    if keys_BCK is not None:
+        keys = jnp.where(keyed_B[:, None, None], keys_BCK, keys)
+    pointer_BC = modeb.keyed_scores(keys, modeb.answer_query(head, hidden_BRE[:, 0]))
+    return jnp.where(marked_B[:, None], pointer_BC, letter_BC)
 
 
 def prefixed_label_logits(

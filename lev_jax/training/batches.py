@@ -113,8 +113,11 @@ class Renderer:
         self.mode_b_joint = mode_b_joint
         self.mode_b_options = mode_b_options
 
-    def example(self, record: Mapping[str, Any], rng: np.random.Generator) -> Example | None:
-        """The record's rows, or None when its prefix + longest row exceeds `max_tokens`."""
+    def example(
+        self, record: Mapping[str, Any], rng: np.random.Generator, orders: dict[int, list[int]] | None = None
+    ) -> Example | None:
+        """The record's rows, or None when its prefix + longest row exceeds `max_tokens`. `orders`
+        (a batch's, `batch`): the Mode B option order per option count, shared by the batch's records."""
         p = self.planner
         text = p.state_text(record["state"])
         qp = p.question(text, "q", record["question"])
@@ -129,7 +132,7 @@ class Renderer:
             else:
                 _rows_of(ro, dist, True, ex)
         elif qp.route == MODE_B:
-            order = self.marked_order(dist, rng)
+            order = self.marked_order(dist, rng, orders)
             _rows_of(p.marked_readout(text, qp.question, order), _normalised_on(dist, order), False, ex)
             if self.mode_b_joint:
                 self.mode_a_rows(p.question(text, "q", record["question"], allow_b=False), text, dist, rng, ex)
@@ -139,18 +142,28 @@ class Renderer:
             return None
         return ex
 
-    def marked_order(self, dist: np.ndarray, rng: np.random.Generator) -> list[int]:
+    def marked_order(
+        self, dist: np.ndarray, rng: np.random.Generator, orders: dict[int, list[int]] | None = None
+    ) -> list[int]:
         """The options of a Mode B training row, in a seeded random order: all of them, or with
         `mode_b_options` > 0 that many: the options the target gives most mass to (the gold), then
-        others drawn at random (the target renormalised over them). The head scores each marker
-        alone and the softmax runs over the row's candidates, so a sampled row trains the same head
-        on a row a fraction as long (a 150-option row with the schema first is ~1,000 tokens: most of a
-        Mode B step's work)."""
+        others drawn at random (the target renormalised over them).
+
+        Every option: one order per option count in `orders` (a batch's), drawn by its first
+        record, so with the schema first a question-grouped batch's marked rows share the whole
+        options block -- computed once as their group's prefix, markers and all (`group_rows`),
+        each state then a short row after it, as in Mode A. A sampled subset holds each record's
+        gold, so its rows share only the question's opening (a 150-option row with the schema
+        first is ~1,000 tokens: sampled, a fraction of that per state)."""
         n = len(dist)
         if 0 < self.mode_b_options < n:
             ranked = np.lexsort((rng.random(n), -dist))  # most mass first, ties in random order
             return [int(i) for i in rng.permutation(ranked[: self.mode_b_options])]
-        return [int(i) for i in rng.permutation(n)]
+        if orders is None:
+            return [int(i) for i in rng.permutation(n)]
+        if n not in orders:
+            orders[n] = [int(i) for i in rng.permutation(n)]
+        return orders[n]
 
     def mode_a_rows(self, qp, text: str, dist: np.ndarray, rng: np.random.Generator, ex: Example) -> None:
         """A choice or score read with label codes: its readout's rows, or a grouped choice's round 1
@@ -181,9 +194,9 @@ class Renderer:
 
     def batch(self, grain_batch: Mapping[str, Any]) -> tuple[list[Example], int]:
         """(examples, skipped) of a grain batch ({"rows", "index", "epoch", ...})."""
-        out, skipped = [], 0
+        out, skipped, orders = [], 0, {}
         for record, index in zip(grain_batch["rows"], grain_batch["index"]):
-            ex = self.example(record, self.rng(grain_batch["epoch"], int(index)))
+            ex = self.example(record, self.rng(grain_batch["epoch"], int(index)), orders)
             if ex is None:
                 skipped += 1
             else:
@@ -193,10 +206,20 @@ class Renderer:
 
 @dataclasses.dataclass
 class Group:
-    """Rows that continue one computed token prefix: (example index, row index, suffix tokens)."""
+    """Rows that continue one computed token prefix: (example index, row index, suffix tokens).
+    `markers`: Mode B rows whose options (and markers) the prefix holds -- their positions in it,
+    read once for every row (each row's answer position points into them)."""
 
     prefix: list[int]
     rows: list[tuple[int, int, list[int]]]
+    markers: list[int] | None = None
+
+    def row(self, examples: Sequence[Example], member: int):
+        """Member `member`'s row as the group reads it: its tokens after the prefix (a Mode B row
+        whose markers the prefix holds keeps none of its own: `Row.markers` empty)."""
+        e, i, tokens = self.rows[member]
+        row = examples[e].rows[i]
+        return Row(list(tokens), row.label_ids, markers=[]) if self.markers else row.rebased(tokens)
 
 
 def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
@@ -222,7 +245,8 @@ def group_rows(examples: Sequence[Example]) -> list[Group]:
     with markers where the Mode A rows carry codes, so it shares only the question's opening
     with them, and kept together they would make every Mode A row carry the whole
     question; apart, the Mode A rows of a question-grouped batch join over the question. A marked
-    unit's shared prefix stops before its first marker (the head reads the markers in the rows)."""
+    group's prefix holds all of its markers (rows that list one option order: the head reads the
+    markers once, in the prefix) or none (it stops before the first: each row reads its own)."""
     units = []
     for e, ex in enumerate(examples):
         kinds: dict[bool, list[int]] = {}
@@ -230,26 +254,35 @@ def group_rows(examples: Sequence[Example]) -> list[Group]:
             kinds.setdefault(r.markers is not None, []).append(i)
         for marked, idx in kinds.items():
             seqs = [ex.prefix + ex.rows[i].tokens for i in idx]
-            shared = min(len(_common(seqs)), min(len(q) for q in seqs) - 1)
-            if marked:
-                shared = min(shared, len(ex.prefix) + min(min(ex.rows[i].markers, default=0) for i in idx))
-            units.append((marked, seqs[0][:shared], shared, [(q, e, i) for q, i in zip(seqs, idx)]))
+            marks = sorted({len(ex.prefix) + m for i in idx for m in ex.rows[i].markers}) if marked else []
+            shared = _marker_cut(min(len(_common(seqs)), min(len(q) for q in seqs) - 1), marks)
+            units.append((marked, seqs[0][:shared], shared, [(q, e, i) for q, i in zip(seqs, idx)], marks))
     units.sort(key=lambda g: (g[0], g[1]))
-    groups: list[tuple[list[int], int, list]] = []  # (a member's tokens, shared length, members)
+    groups: list[tuple[list[int], int, list, list[int]]] = []  # (a member's tokens, shared, members, marks)
     kinds_of: list[bool] = []
-    for marked, first, shared, members in units:
+    for marked, first, shared, members, marks in units:
         # never across kinds: greedily, one question's first Mode A row would join the marked rows
         # over the question's opening, and the rest of its Mode A rows follow it there
         if groups and kinds_of[-1] == marked:
-            g_first, g_shared, g_members = groups[-1]
-            joined = min(g_shared, shared, _lcp(g_first, first))
+            g_first, g_shared, g_members, g_marks = groups[-1]
+            joined = _marker_cut(_marker_cut(min(g_shared, shared, _lcp(g_first, first)), g_marks), marks)
             apart = _tokens(g_shared, g_members) + _tokens(shared, members)
             if joined > 0 and _tokens(joined, g_members + members) <= apart:
-                groups[-1] = (g_first, joined, g_members + members)
+                groups[-1] = (g_first, joined, g_members + members, g_marks)
                 continue
-        groups.append((first, shared, members))
+        groups.append((first, shared, members, marks))
         kinds_of.append(marked)
-    return [Group(first[:shared], [(e, i, q[shared:]) for q, e, i in members]) for first, shared, members in groups]
+    return [
+        Group(
+            first[:shared], [(e, i, q[shared:]) for q, e, i in members], marks if marks and shared > marks[-1] else None
+        )
+        for first, shared, members, marks in groups
+    ]
+
+
+def _marker_cut(shared: int, marks: Sequence[int]) -> int:
+    """A shared length that holds all of `marks` (sorted marker positions) or none of them."""
+    return shared if not marks or shared > marks[-1] else min(shared, marks[0])
 
 
 def _tokens(shared: int, members) -> int:
@@ -292,7 +325,8 @@ def pack(
 ) -> tuple[dict[str, np.ndarray], int]:
     """Padded numpy arrays of one step: E groups of rows sharing a computed prefix (`group_rows`),
     R rows per group, every size bucketed (E also rounded up to `multiple`, the devices the batch is
-    split over; lengths at least `min_length`). Keys: prefix_EP, prefix_valid_EP and, per group row,
+    split over; lengths at least `min_length`). Keys: prefix_EP, prefix_valid_EP, prefix_markers_EC
+    and prefix_keyed_E (a group whose prefix holds its Mode B rows' markers), and per group row,
     tokens_ERT, valid_ERT, answer_ER, label_ids_ERC, markers_ERC and marked_ER (Mode B rows),
     target_ERC, valid_ERC (real codes or markers), level_ERC, ordinal_ER, mode_ER, weight_ER (0 for
     padding rows; padding groups have no valid token). Where `layout` makes two parts, the second
@@ -340,6 +374,8 @@ def _arrays(examples: Sequence[Example], groups: Sequence[Group], C: int, multip
     out = {
         "prefix_EP": prefix_EP,
         "prefix_valid_EP": prefix_valid_EP,
+        "prefix_markers_EC": np.zeros((E, C), np.int32),
+        "prefix_keyed_E": np.zeros((E,), bool),
         "tokens_ERT": np.zeros((E, R, T), np.int32),
         "valid_ERT": np.zeros((E, R, T), bool),
         "answer_ER": np.zeros((E, R), np.int32),
@@ -354,8 +390,11 @@ def _arrays(examples: Sequence[Example], groups: Sequence[Group], C: int, multip
         "weight_ER": np.zeros((E, R), np.float32),
     }
     for g_i, g in enumerate(groups):
-        # each row after the group's prefix: what it does not share (its markers move with it)
-        rb = pack_rows([examples[e].rows[i].rebased(t) for e, i, t in g.rows], R, T, C)
+        # each row after the group's prefix: what it does not share (its markers move with it, or
+        # stay in the prefix, read there once for the group)
+        if g.markers:
+            out["prefix_markers_EC"][g_i, : len(g.markers)], out["prefix_keyed_E"][g_i] = g.markers, True
+        rb = pack_rows([g.row(examples, m) for m in range(len(g.rows))], R, T, C)
         out["tokens_ERT"][g_i], out["valid_ERT"][g_i] = rb.tokens_BT, rb.valid_BT
         out["answer_ER"][g_i], out["label_ids_ERC"][g_i] = rb.answer_B, rb.label_ids_BC
         out["markers_ERC"][g_i], out["marked_ER"][g_i] = rb.markers_BC, rb.marked_B

@@ -288,42 +288,60 @@ def group_scores(params, head, batch, cfg, *, remat: str = "none", rows_per_call
     exit (`readout.rows_exit_logits`); prefixes and rows run to the deepest exit only."""
     E, R = batch["answer_ER"].shape
     deepest = max(exit_depths) if exits is not None else None
-    _, cache = models.forward(
+    # a group whose prefix holds its Mode B rows' options has its markers read there, once
+    keyed = head is not None and exits is None and "prefix_markers_EC" in batch
+    hidden_ECE, cache = models.forward(
         params,
         batch["prefix_EP"],
         None,
         cfg,
         valid_BT=batch["prefix_valid_EP"],
-        readout_BR=jnp.zeros((E, 1), jnp.int32),
+        readout_BR=batch["prefix_markers_EC"] if keyed else jnp.zeros((E, 1), jnp.int32),
         remat=remat,
         layer_range=None if deepest is None else (0, deepest),
     )
+    keys_ECK = modeb.marker_keys(head, hidden_ECE) if keyed else jnp.zeros((E, 1, 1), jnp.float32)
+    keyed_E = batch["prefix_keyed_E"] if keyed else jnp.zeros((E,), bool)
     mapped = jax.tree.map(lambda x: x.ndim > 0, cache)
 
-    def rows(cache_1, tokens_RT, valid_RT, answer_R, ids_RC, markers_RC, marked_R):
+    def rows(cache_1, keys_CK, keyed_1, tokens_RT, valid_RT, answer_R, ids_RC, markers_RC, marked_R):
         cache_1 = jax.tree.map(lambda x, m: x[None] if m else x, cache_1, mapped)
         if exits is not None:
             return readout.rows_exit_logits(
                 params, exits, cache_1, None, tokens_RT, valid_RT, answer_R, ids_RC, cfg, exit_depths, remat=remat
             )[0]
+        n = tokens_RT.shape[0]
         return readout.rows_scores(
-            params, head, cache_1, None, tokens_RT, valid_RT, answer_R, ids_RC, markers_RC, marked_R, cfg, remat=remat
+            params,
+            head,
+            cache_1,
+            None,
+            tokens_RT,
+            valid_RT,
+            answer_R,
+            ids_RC,
+            markers_RC,
+            marked_R,
+            cfg,
+            remat=remat,
+            keys_BCK=jnp.broadcast_to(keys_CK, (n,) + keys_CK.shape) if keyed else None,
+            keyed_B=jnp.broadcast_to(keyed_1, (n,)) if keyed else None,
         )
 
     if 0 < rows_per_call < R:
         whole = rows
         k = rows_per_call
 
-        def rows(cache_1, *per_row):  # noqa: F811 - the same rows, `k` at a time
+        def rows(cache_1, keys_CK, keyed_1, *per_row):  # noqa: F811 - the same rows, `k` at a time
             pad = -R % k
             padded = [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in per_row]
             chunks = [x.reshape(-1, k, *x.shape[1:]) for x in padded]
-            out = jax.lax.map(lambda xs: whole(cache_1, *xs), tuple(chunks))
+            out = jax.lax.map(lambda xs: whole(cache_1, keys_CK, keyed_1, *xs), tuple(chunks))
             return jax.tree.map(lambda o: o.reshape(-1, *o.shape[2:])[:R], out)
 
-    in_axes = (jax.tree.map(lambda m: 0 if m else None, mapped), 0, 0, 0, 0, 0, 0)
+    in_axes = (jax.tree.map(lambda m: 0 if m else None, mapped), 0, 0, 0, 0, 0, 0, 0, 0)
     names = ("tokens_ERT", "valid_ERT", "answer_ER", "label_ids_ERC", "markers_ERC", "marked_ER")
-    logits_ERC = jax.vmap(rows, in_axes=in_axes)(cache, *(batch[k] for k in names))
+    logits_ERC = jax.vmap(rows, in_axes=in_axes)(cache, keys_ECK, keyed_E, *(batch[k] for k in names))
     return jax.tree.map(lambda x: x.reshape(E * R, -1), logits_ERC)
 
 

@@ -262,6 +262,8 @@ def data_tokens(cfg: TrainConfig, data_dir: Path | None) -> DataTokens:
     # question: short next to the rows that carry the options, whose attention is counted
     if cfg.layout == "schema_first" and cfg.group_by_question:
         a_rows = np.zeros_like(a_rows)
+        if not cfg.mode_b_options:  # every option, one order per batch: marked rows share them too
+            b_rows = np.zeros_like(b_rows)
     longest = np.where(b_rows > 0, marked, np.where(a_rows > 0, row, 0.0))
     return DataTokens(
         float(tokens.mean()),

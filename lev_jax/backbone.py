@@ -154,9 +154,12 @@ class Backbone:
         embeds=None,
         embeds_mask=None,
         positions=None,
+        markers=None,
     ):
         """The cache of a prefix ([P] or right-padded [B, P]), computed in chunks of `chunk` tokens
         so memory stays bounded by chunk x slots. `slots` reserves room for later extensions.
+        `markers` (positions in a one-row prefix): also return the final-normed hidden states there
+        ([R, E], from the chunks' own outputs: no other program), as (cache, hidden).
         A multimodal prefix also passes `embeds` [B, P, E] (image features) where `embeds_mask`
         [B, P] is set, at `positions` [3, B, P]; the cache's next position is then each row's
         largest position + 1 (M-RoPE: an image advances positions by its grid side, not its tokens),
@@ -185,19 +188,27 @@ class Backbone:
         # just enough to hold it, so chunk k attends to k chunks of slots, not to the whole prefix's
         # (attention work ~ P^2 / 2 instead of P^2), and its program (chunk, slots) is shared by
         # every prefix length
-        cache = None
+        if markers is not None and B != 1:
+            raise ValueError("prefill reads markers of a one-row prefix only")
+        cache, picked = None, []
         for start in range(0, total, step):
             sl = slice(start, start + step)
             if cache is not None:
                 cache = cache_lib.grow(cache, start + step)
             extra = () if mm is None else _multimodal_args(mm[0][:, sl], mm[1][:, sl], mm[2][:, :, sl])
-            _, cache = _extend(
+            hidden, cache = _extend(
                 self.params, jnp.asarray(tok_pad[:, sl]), jnp.asarray(val_pad[:, sl]), None, cache, self.config, *extra
             )
+            inside = [m - start for m in markers or () if start <= m < start + step]
+            if inside:
+                picked.append(np.asarray(hidden[0, np.asarray(inside)], np.float32))
         if mm is not None:
             next_pos = np.where(val_pad[None], mm[2], -1).max(axis=(0, 2)) + 1
             cache = {**cache, "pos": jnp.asarray(next_pos.astype(np.int32))}
-        return cache_lib.grow(cache, slots)
+        cache = cache_lib.grow(cache, slots)
+        if markers is None:
+            return cache
+        return cache, np.concatenate(picked) if picked else np.zeros((0, self.config.hidden_size), np.float32)
 
     def extend(self, cache, token_ids_BT, valid_BT=None, readout_BR=None):
         """Continue `cache` with B right-padded rows (a 1-row cache is forked to B rows). Returns

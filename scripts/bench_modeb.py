@@ -2,6 +2,7 @@
 
     python -m scripts.bench_modeb [--ns 77,150,255] [--repeats 3] [--dtype float32] [--markdown]
     python -m scripts.bench_modeb --per-state out/evalsets/banking77-test.json out/evalsets/clinc150-test.json
+    python -m scripts.bench_modeb --stream out/evalsets/clinc150-test.json --items 20
 
 The embedded SmolLM2-135M with a (random) Mode B head — the cost of a readout does not depend on
 what the head learned — answers one choice question of N options ("Queue 001": "Tickets routed to
@@ -15,6 +16,12 @@ cross-request cache: a warm call processes the question's rows only). Prints Mod
 tokens a server computes once per question (the prefix every state's row shares: the prefix cache)
 and the tokens each state adds, read by Mode A and by Mode B with the shipped default's prompt
 settings, over the first --items items of each levbench eval set (token counts only: no model runs).
+
+`--stream EVALSET ...`: the same served, one request per state, with the shipped default's prompt
+settings (schema first): Mode A, Mode B (its options block and its markers' keys kept in the prefix
+cache after the first request), and Mode B with the prefix cache off (every request computes the whole
+marked row: what the server did before it kept them). Per mode: median warm ms a request and the
+tokens a request computes (input minus cached), over --items states after one warm-up request.
 """
 
 from __future__ import annotations
@@ -98,6 +105,54 @@ def per_state(paths: list[str], items: int) -> int:
     return 0
 
 
+def stream(paths: list[str], items: int, dtype: str) -> int:
+    """Warm per-request latency and computed tokens of a stream of states asked one large choice."""
+    import json
+
+    import lev_jax
+    from lev_jax.bench.evalset import EvalSet
+    from lev_jax.engine import DEFAULT_RELEASE, Engine
+    from lev_jax.readout import modeb
+
+    manifest = json.loads((DEFAULT_RELEASE / "lev_release.json").read_text())
+    kw = {k: manifest["engine"][k] for k in ("prompt_style", "layout", "option_averaging")}
+    bb = lev_jax.load(base_only=True, dtype=dtype).backbone
+    bb.mode_b_head = modeb.init_head(bb.config.hidden_size, seed=0)  # cost does not depend on what it learned
+    engines = {
+        "Mode A": lambda: Engine(bb, mode_b=False, **kw),
+        "Mode B": lambda: Engine(bb, mode_b_min_options=2, **kw),
+        "Mode B, no prefix cache": lambda: Engine(bb, mode_b_min_options=2, prefix_cache_bytes=0, **kw),
+    }
+    print(f"settings: {kw}, dtype {dtype}")
+    print(
+        "\n| task | options | mode | warm ms / request (median) | computed tokens / request | cached tokens / request |"
+    )
+    print("|---|---:|---|---:|---:|---:|")
+    for path in paths:
+        es = EvalSet.load(path)
+        reqs = [(item["state"], es.questions_for(item)) for item in es.items[: items + 1]]
+        n = len(next(iter(es.questions.values()))["criteria"])
+        base_ms = None
+        for name, make in engines.items():
+            engine = make()
+            engine.predict_with_usage(*reqs[0])  # compiles and fills the cache
+            ms, computed, cached = [], [], []
+            for state, qs in reqs[1:]:
+                t0 = time.perf_counter()
+                _, usage = engine.predict_with_usage(state, qs)
+                ms.append(1000 * (time.perf_counter() - t0))
+                computed.append(usage["input_tokens"] - usage["cached_input_tokens"])
+                cached.append(usage["cached_input_tokens"])
+            med = statistics.median(ms)
+            base_ms = base_ms or med
+            print(
+                f"| {es.task} | {n} | {name} | {med:.0f} ({med / base_ms:.2f}x Mode A) | "
+                f"{statistics.mean(computed):.1f} | {statistics.mean(cached):.1f} |",
+                flush=True,
+            )
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ns", default="77,150,255")
@@ -105,10 +160,13 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--per-state", nargs="+", metavar="EVALSET", help="token counts per state (no model runs)")
+    ap.add_argument("--stream", nargs="+", metavar="EVALSET", help="served warm latency per state")
     ap.add_argument("--items", type=int, default=50)
     args = ap.parse_args(argv)
     if args.per_state:
         return per_state(args.per_state, args.items)
+    if args.stream:
+        return stream(args.stream, args.items, args.dtype)
 
     import lev_jax
     from lev_jax.engine import Engine

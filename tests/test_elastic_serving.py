@@ -98,7 +98,7 @@ def test_predict_at_an_exit_equals_its_reference_and_differs_from_full_depth(eng
         gap = max(abs(p - full["intent"]["probabilities"][k]) for k, p in fast["intent"]["probabilities"].items())
         assert gap > 1e-3  # a shallower model answers differently: the depth is really used
     # the exit's prefix cache holds d layers only
-    [(cache, _)] = list(engine.executor_at(2).prefixes.values())
+    [(cache, _, _)] = list(engine.executor_at(2).prefixes.values())
     assert len(cache["layers"]) == 2
 
 

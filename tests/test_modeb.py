@@ -173,6 +173,48 @@ def test_schema_first_mode_b_row_lists_the_options_then_the_state():
     np.testing.assert_allclose(_probs(fast["q"]), _probs(ref["q"]), atol=1e-5, rtol=0)
 
 
+def test_schema_first_mode_b_options_are_computed_once_and_cached_across_requests():
+    """Schema first, a large choice's options block (markers and all) is the same for every state:
+    the executor keeps it with the prefix, its markers' keys read once, and each state is a short row
+    scoring its answer against them -- equal to one full forward per row, whatever the state's length,
+    alone or in a micro-batch, and a second request counts the options block as cached."""
+    from lev_jax.engine import Engine
+    from lev_jax.readout import Usage
+
+    bb = tiny_backbone("qwen3_5", seed=2)
+    bb.mode_b_head = modeb.init_head(bb.config.hidden_size, width=32, seed=1)
+    eng = Engine(bb, layout="schema_first", option_averaging=False)
+    qs = {"big": _choice(151), "small": _choice(3, "Which of these?")}
+    [row] = eng.plan(STATE, qs).questions[0].rows
+    assert row.stateless == row.markers[-1] + 1  # every marker in the state-independent lead
+    [(lead, _, [rest])] = eng.executor.stateless_groups([], [row])
+    assert list(lead.markers) == row.markers and rest.markers == [] and rest.keys_before == rest.width == 151
+    long_state = " ".join(f"Line {i}: the parcel is late again and support does not answer." for i in range(60))
+    states = [STATE, "Please cancel my subscription today.", long_state]
+    assert len(eng.plan(long_state, qs).questions[0].rows[0].after(row.stateless).tokens) > 512  # read in chunks
+    first = eng.predict(STATE, qs)
+    again = eng.predict_many([(s, qs) for s in states])
+    for state, got in zip(states, again):
+        ref = eng.predict(state, qs, reference=True)
+        for q in qs:
+            np.testing.assert_allclose(_probs(got[q]), _probs(ref[q]), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(_probs(again[0]["big"]), _probs(first["big"]), atol=1e-6, rtol=0)
+    # the state moves it (a random head moves little: by more than the fast path's error vs the reference)
+    for other in again[1:]:
+        assert np.abs(_probs(other["big"]) - _probs(again[0]["big"])).max() > 5e-5
+    # the second request about another state computes only its own tokens: the options block is cached
+    plan = eng.plan("Where is my refund?", {"big": _choice(151)})
+    usage = Usage()
+    eng.executor.read([(plan.prefix_ids, plan.rows)], [usage])
+    assert usage.cached == len(plan.prefix_ids) + row.stateless
+    assert usage.processed - usage.cached == len(plan.rows[0].tokens) - row.stateless
+    # its rows are read by the keyed program; another short state of the same buckets compiles nothing
+    assert any(k[-1] == "keyed" for k in eng.executor.programs(plan.prefix_ids, plan.rows))
+    before = eng.compiled_programs
+    eng.predict("Where is my money?", {"big": _choice(151)})
+    assert eng.compiled_programs == before
+
+
 def test_without_a_head_large_and_split_choices_use_mode_a(engine_b):
     from lev_jax.engine import Engine
 

@@ -29,7 +29,7 @@ from lev_jax import buckets
 from lev_jax.models import cache as cache_lib
 from lev_jax.readout import logits as logits_lib
 from lev_jax.readout import modeb
-from lev_jax.readout.plan import Row, prefix_key
+from lev_jax.readout.plan import MarkedPrefix, Row, prefix_key
 
 # Question headers shared by a readout's rows become a cache segment when that saves at least this
 # many row tokens (and a tenth of them): below it the extra device call costs more than it saves.
@@ -64,11 +64,17 @@ class Call:
     length: int  # suffix-length bucket
     codes: int  # label-codes (or Mode B markers) bucket
     marked: bool = False  # holds Mode B rows (another program: the head reads their markers)
+    keyed: bool = False  # its Mode B rows continue an options block whose markers' keys are given
 
     @property
     def key(self) -> tuple:
-        """The program key's tail: (rows, length, codes), "modeb" appended for a call with Mode B rows."""
-        return (self.batch, self.length, self.codes) + (("modeb",) if self.marked else ())
+        """The program key's tail: (rows, length, codes), "modeb" appended for a call with Mode B rows
+        ("keyed" after it where they score against keys read before them)."""
+        return (
+            (self.batch, self.length, self.codes)
+            + (("modeb",) if self.marked else ())
+            + (("keyed",) if self.keyed else ())
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +94,8 @@ class Executor:
         # computed state prefixes kept across requests (LRU, bounded by bytes): a client asking a
         # second batch of questions about the same state pays only for the questions
         self.prefix_cache_bytes = prefix_cache_bytes
-        self.prefixes: collections.OrderedDict[tuple, tuple[object, int]] = collections.OrderedDict()
+        # (cache, bytes, Mode B keys of a MarkedPrefix's markers or None) by prefix_key
+        self.prefixes: collections.OrderedDict[tuple, tuple[object, int, np.ndarray | None]] = collections.OrderedDict()
         self.lock = threading.Lock()
         self.exact_reruns = 0  # device calls (rows or headers) the anchored softmax could not serve
 
@@ -129,6 +136,7 @@ class Executor:
                 suffix(g),
                 buckets.fit(max(rows[i].width for i in g), buckets.CODES, "label codes"),
                 any(rows[i].markers is not None for i in g),
+                any(rows[i].keys_before for i in g),
             )
             for g in groups
         ]
@@ -171,13 +179,18 @@ class Executor:
     @staticmethod
     def stateless_groups(prefix_ids: list[int], rows: list[Row]) -> list[tuple[list[int], list[int], list[Row]]]:
         """Rows by their state-independent lead: (prefix_ids + that lead, row indices, the rows
-        without it), in first-seen order."""
-        groups: dict[tuple, tuple[list[int], list[Row]]] = {}
+        without it), in first-seen order. A Mode B row's lead holds its options block: its prefix is
+        a `MarkedPrefix` (the markers' keys are computed with it) and its rest keyed by them."""
+        groups: dict[tuple, tuple[list[int], list[int], list[Row]]] = {}
         for i, r in enumerate(rows):
-            idx, rest = groups.setdefault(tuple(prefix_ids) + tuple(r.tokens[: r.stateless]), ([], []))
+            lead = list(prefix_ids) + r.tokens[: r.stateless]
+            marks = [len(prefix_ids) + m for m in r.markers or () if m < r.stateless]
+            if marks:
+                lead = MarkedPrefix(lead, marks)
+            _, idx, rest = groups.setdefault(prefix_key(lead), (lead, [], []))
             idx.append(i)
             rest.append(r.after(r.stateless))
-        return [(list(key), idx, rest) for key, (idx, rest) in groups.items()]
+        return list(groups.values())
 
     @classmethod
     def stateless_batch(cls, entries) -> list[tuple[list[int], list[tuple[int, int]], list[Row]]]:
@@ -187,7 +200,7 @@ class Executor:
         groups: dict[tuple, tuple[list[int], list[tuple[int, int]], list[Row]]] = {}
         for e, (prefix_ids, rows) in enumerate(entries):
             for key, idx, rest in cls.stateless_groups(prefix_ids, rows):
-                _, where, rows_of = groups.setdefault(tuple(key), (key, [], []))
+                _, where, rows_of = groups.setdefault(prefix_key(key), (key, [], []))
                 where.extend((e, i) for i in idx)
                 rows_of.extend(rest)
         return list(groups.values())
@@ -255,11 +268,19 @@ class Executor:
         """(cache, hit): the prefix's cache, from the LRU when this exact prefix (and its images) was
         seen before. A prefix with images (readout.plan.ImagePrefix) has their features put in at
         their placeholders; `usage` counts its image tokens and those whose features were cached."""
+        cache, _, hit = self.prefix_entry(prefix_ids, usage)
+        return cache, hit
+
+    def prefix_entry(self, prefix_ids, usage: Usage | None = None):
+        """(cache, keys, hit): `prefix_cache`, and for a prefix ending in a Mode B options block
+        (readout.plan.MarkedPrefix) the head's keys of its markers ([R, K] fp32, else None), read
+        from the prefill's own hidden states and kept with the cache."""
         p = len(prefix_ids)
         if p == 0:
-            return None, False
+            return None, None, False
         key = prefix_key(prefix_ids)
         images = getattr(prefix_ids, "images", ())
+        markers = getattr(prefix_ids, "markers", None)
         n_image = sum(img.n_tokens for img in images)
         with self.lock:
             if key in self.prefixes:
@@ -267,9 +288,11 @@ class Executor:
                 if usage is not None:
                     usage.image_tokens += n_image
                     usage.cached_image_tokens += n_image
-                return self.prefixes[key][0], True
+                cache, _, keys = self.prefixes[key]
+                return cache, keys, True
         pb = buckets.fit(p, buckets.PREFIX[1:], "prefix length")
         tokens, valid = logits_lib.pack_prefixes([prefix_ids], 1, pb)
+        keys = None
         if images:
             embeds, mask, positions, cached = self.backbone.vision.prefix_inputs(prefix_ids, images, pb)
             cache = self.backbone.prefill(
@@ -278,15 +301,18 @@ class Executor:
             if usage is not None:
                 usage.image_tokens += n_image
                 usage.cached_image_tokens += cached
+        elif markers:
+            cache, hidden = self.backbone.prefill(tokens, valid, chunk=buckets.PREFILL_CHUNK, markers=markers)
+            keys = np.asarray(modeb.marker_keys(self.backbone.mode_b_head, jnp.asarray(hidden)))
         else:
             cache = self.backbone.prefill(tokens, valid, chunk=buckets.PREFILL_CHUNK)
-        size = sum(x.nbytes for x in jax.tree.leaves(cache))
+        size = sum(x.nbytes for x in jax.tree.leaves(cache)) + (0 if keys is None else keys.nbytes)
         if size <= self.prefix_cache_bytes:
             with self.lock:
-                self.prefixes[key] = (cache, size)
-                while sum(n for _, n in self.prefixes.values()) > self.prefix_cache_bytes:
+                self.prefixes[key] = (cache, size, keys)
+                while sum(n for _, n, _ in self.prefixes.values()) > self.prefix_cache_bytes:
                     self.prefixes.popitem(last=False)
-        return cache, False
+        return cache, keys, False
 
     def read(self, entries, usages) -> list[list[np.ndarray]]:
         """Label logits for every row of every (prefix_ids, rows) entry: each prefix computed once
@@ -322,7 +348,7 @@ class Executor:
         as cached when an earlier request (or an earlier one in this batch) computed it."""
         out: list = [[None] * len(rows) for _, rows in entries]
         for key, where, rest in self.stateless_batch(entries):
-            cache, hit = self.prefix_cache(key)
+            cache, keys, hit = self.prefix_entry(key)
             seen: set[int] = set()
             for (e, _), r in zip(where, rest):
                 if e not in seen:
@@ -330,7 +356,7 @@ class Executor:
                     usages[e].cached += len(key) if hit or seen else 0
                     seen.add(e)
                 usages[e].processed += len(r.tokens)
-            for (e, i), logits in zip(where, self.read_rows(cache, rest, None)):
+            for (e, i), logits in zip(where, self.read_rows(cache, rest, None, keys=keys)):
                 out[e][i] = logits
         return out
 
@@ -369,26 +395,29 @@ class Executor:
             out.append(per)
         return out
 
-    def read_rows(self, cache, rows: list[Row], prefix_of_row) -> list[np.ndarray]:
+    def read_rows(self, cache, rows: list[Row], prefix_of_row, *, keys=None) -> list[np.ndarray]:
         """Label logits of `rows` continuing `cache` (one shared prefix, or a stacked cache with
         `prefix_of_row`), through question-header segments where they pay (over a stacked cache,
         each header continues its own prefix); rows longer than a prefill chunk one by one, chunk by
-        chunk (`read_long_row`)."""
+        chunk (`read_long_row`). `keys`: the Mode B keys of markers in `cache` (one shared prefix
+        ending in an options block), which rows with `keys_before` score against."""
+        if any(r.keys_before for r in rows) and (keys is None or prefix_of_row is not None):
+            raise ValueError("Mode B rows after an options block read the keys of its one shared prefix")
         long = [i for i, r in enumerate(rows) if is_long(r)]
         if long:
             out: list = [None] * len(rows)
             short = [i for i, r in enumerate(rows) if not is_long(r)]
             if short:
                 which = None if prefix_of_row is None else [prefix_of_row[i] for i in short]
-                for i, logits in zip(short, self.read_rows(cache, [rows[i] for i in short], which)):
+                for i, logits in zip(short, self.read_rows(cache, [rows[i] for i in short], which, keys=keys)):
                     out[i] = logits
             for i in long:
                 own = cache if prefix_of_row is None else cache_lib.take_row(cache, prefix_of_row[i])
-                out[i] = self.read_long_row(own, rows[i])
+                out[i] = self.read_long_row(own, rows[i], keys)
             return out
         seg = self.segment_plan(rows, prefix_of_row) if cache is not None else None
         if seg is None:
-            return self.read_calls(cache, rows, prefix_of_row=prefix_of_row)
+            return self.read_calls(cache, rows, prefix_of_row=prefix_of_row, keys=keys)
         prefix_of_header = None if prefix_of_row is None else seg.prefix_of_header
         seg_cache, where = self.compute_segments(cache, seg.headers, prefix_of_header)
         return self.read_calls(seg_cache, seg.rest, segment_of_row=[where[h] for h in seg.header_of_row])
@@ -415,19 +444,22 @@ class Executor:
             offset, start = offset + chunk, start + chunk
         tail = row.after(start)
         key = ("tail", slots, buckets.fit(n - start, buckets.TAIL, "question length"))
-        key += (buckets.fit(tail.width, buckets.CODES, "label codes"),)
+        # a Mode B tail reads its own markers (their keys and the query); the earlier ones are joined on the host
+        width = tail.width if tail.markers is None else max(1, len(tail.markers))
+        key += (buckets.fit(width, buckets.CODES, "label codes"),)
         return calls + [key + (("modeb",) if tail.markers is not None else ())]
 
-    def read_long_row(self, cache, row: Row) -> np.ndarray:
+    def read_long_row(self, cache, row: Row, lead_keys=None) -> np.ndarray:
         """Scores of one row longer than a prefill chunk, continuing a 1-row `cache` (or none): its
         leading chunks extend a private copy of the cache exactly as a prefill does (a Mode B row's
         markers inside them scored on the way), then its last tokens are read like any row. The cost
         follows the row's tokens at the prefill rate; one call over all of them would score every
         token against every other at once (a T x T block per head that leaves the CPU's caches far
-        behind: several times slower per token at 2k tokens, BENCHMARKS.md)."""
+        behind: several times slower per token at 2k tokens, BENCHMARKS.md). A row with
+        `keys_before` scores against `lead_keys` (the cache's markers') first."""
         bb = self.backbone
         offset, slots = (0, 0) if cache is None else (int(cache["offset"]), int(cache["valid"].shape[1]))
-        start, keys = 0, []
+        start, keys = 0, [] if not row.keys_before else [np.asarray(lead_keys)[: row.keys_before]]
         for call in self.long_row_calls(offset, slots, row):
             kind, size, length = call[:3]
             if kind == "tail":
@@ -456,7 +488,7 @@ class Executor:
                 *map(jnp.asarray, (batch.tokens_BT, batch.valid_BT, batch.answer_B, batch.markers_BC)),
                 bb.config,
             )
-            all_keys = np.concatenate(keys + [np.asarray(tail_keys)[0, : tail.width]])
+            all_keys = np.concatenate(keys + [np.asarray(tail_keys)[0, : len(tail.markers)]])
             return all_keys @ np.asarray(query)[0]
         logits = logits_lib.read_rows(
             bb.params,
@@ -495,10 +527,13 @@ class Executor:
             parts.append(part)
         return cache_lib.concat_segments(parts, buckets.fit(first_row, SEGMENT_ROWS, "question headers")), where
 
-    def read_calls(self, cache, rows: list[Row], *, prefix_of_row=None, segment_of_row=None) -> list[np.ndarray]:
+    def read_calls(
+        self, cache, rows: list[Row], *, prefix_of_row=None, segment_of_row=None, keys=None
+    ) -> list[np.ndarray]:
         """Label logits of `rows` in bucketed batched calls. Each row continues `cache` (a shared
         prefix), its request's prefix in a stacked cache (`prefix_of_row`), or its header's segment
-        (`segment_of_row`, which knows its prefix). Every call first with the anchored softmax."""
+        (`segment_of_row`, which knows its prefix). Every call first with the anchored softmax. A
+        row with `keys_before` (all its markers in the shared prefix) scores against `keys`."""
         out: list[np.ndarray | None] = [None] * len(rows)
         bb = self.backbone
         per_row = prefix_of_row if segment_of_row is None else segment_of_row
@@ -509,6 +544,9 @@ class Executor:
             if per_row is not None:
                 which = np.zeros((call.batch,), np.int32)
                 which[: len(call.rows)] = [per_row[i] for i in call.rows]
+            keyed = {}
+            if call.keyed:
+                keyed = keyed_inputs([rows[i] for i in call.rows], keys, call.batch, call.codes)
             args = (
                 bb.params,
                 bb.mode_b_head if batch.marked else None,
@@ -523,12 +561,12 @@ class Executor:
                 jnp.asarray(batch.marked_B) if batch.marked else None,
                 bb.config,
             )
-            logits = np.asarray(fn(*args))
+            logits = np.asarray(fn(*args, **keyed))
             if not np.isfinite(logits[: len(call.rows)]).all():
                 # the anchored softmax met a cached score far above a row's own ones (layers.attend):
                 # the exact stabiliser, for this call only
                 self.exact_reruns += 1
-                logits = np.asarray(fn(*args, anchored=False))
+                logits = np.asarray(fn(*args, anchored=False, **keyed))
             for j, i in enumerate(call.rows):
                 out[i] = logits[j, : rows[i].width]
         return out
@@ -543,6 +581,20 @@ def prefill_program(prefix_ids) -> str:
 def markers_in(row: Row, start: int, stop: int) -> list[int]:
     """A Mode B row's marker positions within tokens [start, stop) (none for a Mode A row)."""
     return [m for m in row.markers or () if start <= m < stop]
+
+
+def keyed_inputs(rows: list[Row], keys, n_rows: int, n_codes: int) -> dict:
+    """A keyed call's `keys_BCK` / `keyed_B`: each row with `keys_before` gets the first of `keys`
+    (its options block's markers, read with the prefix); it must hold no markers of its own."""
+    keys = np.asarray(keys, np.float32)
+    keys_BCK = np.zeros((n_rows, n_codes, keys.shape[-1]), np.float32)
+    keyed_B = np.zeros((n_rows,), bool)
+    for j, r in enumerate(rows):
+        if r.keys_before:
+            if r.markers:
+                raise ValueError("a Mode B row reads its markers all in its row or all in the prefix it continues")
+            keys_BCK[j, : r.keys_before], keyed_B[j] = keys[: r.keys_before], True
+    return {"keys_BCK": jnp.asarray(keys_BCK), "keyed_B": jnp.asarray(keyed_B)}
 
 
 def is_long(row: Row) -> bool:

@@ -211,10 +211,24 @@ def prefixed_label_logits(
 
 # -- the programs predict() runs -------------------------------------------------------------------
 # `head` is None for calls without Mode B rows (one program per bucket, as before a head existed);
-# `markers_BC` / `marked_B` are then ignored.
+# `markers_BC` / `marked_B` are then ignored. `keys_BCK` / `keyed_B` (another program): Mode B rows
+# after an options block whose markers' keys were read with the prefix (`rows_scores`).
 @programs.program(("cfg", "anchored"), dry=True)
 def read_rows(
-    params, head, cache, prefix_B, tokens_BT, valid_BT, answer_B, label_ids_BC, markers_BC, marked_B, cfg, anchored=True
+    params,
+    head,
+    cache,
+    prefix_B,
+    tokens_BT,
+    valid_BT,
+    answer_B,
+    label_ids_BC,
+    markers_BC,
+    marked_B,
+    cfg,
+    anchored=True,
+    keys_BCK=None,
+    keyed_B=None,
 ):
     return rows_scores(
         params,
@@ -229,6 +243,8 @@ def read_rows(
         marked_B,
         cfg,
         anchored=anchored,
+        keys_BCK=keys_BCK,
+        keyed_B=keyed_B,
     )
 
 

@@ -51,9 +51,24 @@ class ImagePrefix(list):
         self.images = tuple(images)
 
 
+class MarkedPrefix(list):
+    """A prefix's token ids (a list) ending in a Mode B options block: `markers` are the positions
+    of its markers, whose hidden states the executor turns into the head's keys as it computes the
+    prefix (rows after it score their answer against them, `Row.keys_before`)."""
+
+    def __init__(self, ids, markers):
+        super().__init__(ids)
+        self.markers = tuple(markers)
+
+
 def prefix_key(prefix_ids) -> tuple:
-    """The cross-request cache key of a prefix: its ids, and the content keys of its images."""
-    return tuple(prefix_ids) + tuple(("image", img.key) for img in getattr(prefix_ids, "images", ()))
+    """The cross-request cache key of a prefix: its ids, the content keys of its images, and
+    its markers (a prefix computed with its markers' keys is another entry)."""
+    return (
+        tuple(prefix_ids)
+        + tuple(("image", img.key) for img in getattr(prefix_ids, "images", ()))
+        + tuple(("marker", m) for m in getattr(prefix_ids, "markers", ()))
+    )
 
 
 @dataclasses.dataclass
@@ -68,17 +83,22 @@ class Row:
     # Mode B: the positions (in `tokens`) of the marker after each candidate, in code order; the
     # pointer head reads the hidden state there (against the answer position's) and `label_ids` is empty
     markers: list[int] | None = None
+    # Mode B: markers read before the row's tokens (in the cache it continues, whose keys the reader
+    # holds); the row's scores are its answer query against their keys first, then its own markers'
+    keys_before: int = 0
 
     @property
     def width(self) -> int:
-        """The scores the row yields: one per label code, or per marker."""
-        return len(self.label_ids) if self.markers is None else len(self.markers)
+        """The scores the row yields: one per label code, or per marker (those read before it too)."""
+        return len(self.label_ids) if self.markers is None else self.keys_before + len(self.markers)
 
     def after(self, k: int) -> Row:
         """The row without its first k tokens (read after a cache holding them); markers among
-        those are dropped (the caller read them)."""
-        markers = None if self.markers is None else [m - k for m in self.markers if m >= k]
-        return Row(self.tokens[k:], self.label_ids, markers=markers)
+        those become `keys_before` (the caller read them and holds their keys)."""
+        if self.markers is None:
+            return Row(self.tokens[k:], self.label_ids)
+        markers = [m - k for m in self.markers if m >= k]
+        return Row(self.tokens[k:], self.label_ids, markers=markers, keys_before=self.width - len(markers))
 
     def rebased(self, tokens: list[int]) -> Row:
         """This row read as `tokens`, which end with the row's own last tokens (more or fewer of
@@ -320,7 +340,13 @@ class Planner:
         ids, markers = modeb.marked_row(
             self.format, self.marker[1], q["instructions"], [options[i] for i in order], block
         )
-        return Readout(domain.CHOICE, domain.MARKER, len(order), [Row(ids, [], markers=markers)], [list(order)])
+        row = Row(ids, [], markers=markers)
+        if block is not None:
+            # schema first the options block, markers and all, does not depend on the state: the
+            # executor keeps it (and its markers' keys) with the prefix in its cross-request cache, so
+            # a stream of states asked one large choice computes its options once
+            row.stateless = markers[-1] + 1
+        return Readout(domain.CHOICE, domain.MARKER, len(order), [row], [list(order)])
 
     def route(self, n_options: int, allow_b: bool = True) -> str:
         head = allow_b and self.marker is not None

@@ -216,10 +216,12 @@ class Group:
 
     def row(self, examples: Sequence[Example], member: int):
         """Member `member`'s row as the group reads it: its tokens after the prefix (a Mode B row
-        whose markers the prefix holds keeps none of its own: `Row.markers` empty)."""
+        whose markers the prefix holds keeps none of its own: they are its `keys_before`)."""
         e, i, tokens = self.rows[member]
         row = examples[e].rows[i]
-        return Row(list(tokens), row.label_ids, markers=[]) if self.markers else row.rebased(tokens)
+        if self.markers:
+            return Row(list(tokens), row.label_ids, markers=[], keys_before=len(row.markers))
+        return row.rebased(tokens)
 
 
 def _lcp(a: Sequence[int], b: Sequence[int]) -> int:

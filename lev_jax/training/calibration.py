@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from lev_jax import calibrate, domain
-from lev_jax.data.splits import hash_order
+from lev_jax.data.splits import HashRng, hash_order
 
 SPLIT = "calibration"
 SPLIT_NAME = "mixture-calibration"  # the name recorded in calibration.json
@@ -72,15 +72,48 @@ def full_set(record: dict) -> dict:
     }
 
 
-def records(data_dir: Path, limit: int, seed: int = 0, readouts=(), full_sets: bool = False) -> list[dict]:
+def stripped(record: dict, fraction: float, seed: int = 0) -> dict:
+    """`record` with its choice's option descriptions dropped, as a run's build drops them from that
+    fraction of its train choices (`data_strip_fraction`; the build never strips calibration records):
+    drawn per record (its uid, `seed`), so a run trained with every description dropped is calibrated
+    on bare option names, as it trains and as the test parts ask. A source whose descriptions are part
+    of the answer (`strip_descriptions` False: MCQ) is left as is."""
+    from lev_jax.data.registry import REGISTRY
+
+    q = record["question"]
+    spec = REGISTRY.get(record.get("source", ""))
+    if q["type"] != domain.CHOICE or spec is None or not spec.strip_descriptions:
+        return record
+    if (
+        all(d is None for d in q["criteria"].values())
+        or HashRng(seed, "calibration-strip", record["uid"]).random() >= fraction
+    ):
+        return record
+    return {**record, "question": {**q, "criteria": dict.fromkeys(q["criteria"])}}
+
+
+def build_strip_fraction(data_dir: Path) -> float:
+    """The fraction of train choices the build at `data_dir` asked without option descriptions (its
+    manifest's question config; 0 for a build that does not record one)."""
+    import json
+
+    path = Path(data_dir) / "manifest.json"
+    manifest = json.loads(path.read_text()) if path.is_file() else {}
+    return float(manifest.get("config", {}).get("question", {}).get("strip_fraction", 0.0))
+
+
+def records(
+    data_dir: Path, limit: int, seed: int = 0, readouts=(), full_sets: bool = False, strip_fraction: float = 0.0
+) -> list[dict]:
     """About `limit` labelled calibration-split records: a seeded shuffle (not a head slice), spread
     evenly over the temperature buckets (question type, readout, option band), each given at least
     `calibrate.MIN_ROWS` where the split has them, so no bucket is left at T = 1 for want of rows.
-    `full_sets`: large taxonomies asked with every option (`full_set`), as such a run trains them."""
+    `full_sets`: large taxonomies asked with every option (`full_set`), as such a run trains them;
+    `strip_fraction`: choices without their option descriptions as often as the run trains them (`stripped`)."""
     from lev_jax.data.build import read_split
 
     rows = [
-        full_set(r) if full_sets else r
+        stripped(full_set(r) if full_sets else r, strip_fraction, seed)
         for r in read_split(data_dir, SPLIT)
         if _gold(r) is not None and (not readouts or r["readout"] in readouts)
     ]
@@ -146,7 +179,14 @@ def fit_run(cfg, run_dir: Path, backbone, data_dir: Path, *, out: Callable[[str]
     (None when the calibration split has no labelled record)."""
     from lev_jax.engine import Engine
 
-    recs = records(data_dir, cfg.calibration_rows, cfg.seed, cfg.readouts, full_sets=cfg.data_full_set_fraction >= 1.0)
+    recs = records(
+        data_dir,
+        cfg.calibration_rows,
+        cfg.seed,
+        cfg.readouts,
+        full_sets=cfg.data_full_set_fraction >= 1.0,
+        strip_fraction=build_strip_fraction(data_dir),
+    )
     if not recs:
         out("calibration: the calibration split has no labelled record; no temperatures fitted")
         return None

@@ -331,6 +331,26 @@ def test_mode_b_release_carries_the_head_and_serves_what_the_run_serves(released
         lev_jax.load(str(broken))
 
 
+def test_mode_b_run_calibrates_the_choices_its_head_reads_both_ways(released_b, tmp_path):
+    """The choices the head reads are also read by label codes for calibration, so an engine with the
+    head switched off (`mode_b=False`, levbench agree's Mode A) has temperatures of its own for them
+    rather than another band's. Refitted here with every choice routed to the head: without the
+    second read no letter readout of a choice would be fitted at all."""
+    import dataclasses
+
+    from lev_jax.training import calibration, run
+
+    run_dir, _ = released_b
+    cfg = dataclasses.replace(run.read_config(run_dir), mode_b_min_options=2, calibration_rows=24)
+    bb, _, _ = run.load_run(run_dir, "float32")
+    calibration.fit_run(cfg, tmp_path, bb, run_dir / "data", out=lambda _: None)
+    fitted = {b["key"]: b["n_rows"] for b in json.loads((tmp_path / "calibration.json").read_text())["buckets"]}
+    marker = {k.split("/")[2]: n for k, n in fitted.items() if k.startswith("choice/marker/")}
+    letter = {k.split("/")[2]: n for k, n in fitted.items() if k.startswith("choice/letter/")}
+    assert marker and set(letter) == set(marker), sorted(fitted)
+    assert all(letter[band] >= n for band, n in marker.items())  # each record read by its codes too
+
+
 def test_served_mode_b_release_answers_jevcompat_and_the_sdk(released_b, tmp_path):
     import httpx
     from typesafe_sdk import Choice, Noul, TypeSafeClient

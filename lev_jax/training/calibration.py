@@ -174,6 +174,13 @@ def collect(engine, recs: list[dict], *, chunk: int = 8) -> list[calibrate.Calib
     return out
 
 
+def routes_b(engine, record) -> bool:
+    """Whether `engine`'s router reads `record`'s question with the Mode B head."""
+    from lev_jax.readout import MODE_B
+
+    return engine.plan(record["state"], {"q": record["question"]}).questions[0].route == MODE_B
+
+
 def fit_run(cfg, run_dir: Path, backbone, data_dir: Path, *, out: Callable[[str], None] = print):
     """Fit and save `run_dir/calibration.json` for the merged `backbone`; returns the Calibration
     (None when the calibration split has no labelled record)."""
@@ -190,16 +197,22 @@ def fit_run(cfg, run_dir: Path, backbone, data_dir: Path, *, out: Callable[[str]
     if not recs:
         out("calibration: the calibration split has no labelled record; no temperatures fitted")
         return None
-    engine = Engine(
-        backbone,
+    kw = dict(
         prompt_style=cfg.prompt_style,
         layout=cfg.layout,
         noul_readout=cfg.noul_readout,
         option_averaging=cfg.option_averaging,
         model_name=backbone.name,
-        mode_b_min_options=cfg.mode_b_min_options,  # the run's head (if any) reads what it will serve
     )
+    # the run's head (if any) reads what it will serve
+    engine = Engine(backbone, mode_b_min_options=cfg.mode_b_min_options, **kw)
     rows = collect(engine, recs)
+    routed_b = [r for r in recs if routes_b(engine, r)]
+    if routed_b:
+        # ...and those choices read by label codes too: a caller can switch the head off
+        # (`load(mode_b=False)`; levbench agree compares the two), and without temperatures of its own
+        # a large letter readout would fall back to the small choices' bucket
+        rows += collect(Engine(backbone, mode_b=False, **kw), routed_b)
     cal = calibrate.fit(rows, splits=[SPLIT_NAME], model_id=backbone.name)
     path = cal.save(run_dir)
     temps = ", ".join(f"{k} T={t:.2f}" for k, t in cal.describe()["temperatures"].items())

@@ -180,6 +180,15 @@ def test_release_refuses_another_base_and_changed_files(released, tmp_path):
         f.write(b"\0")
     with pytest.raises(CheckpointError, match="changed since the release: adapter_model.safetensors"):
         lev_jax.load(str(changed))
+    # a Mode A vs Mode B report for a run without a head is refused before anything is written
+    from lev_jax.training import release
+
+    report = tmp_path / "agree"
+    report.mkdir()
+    (report / "agreement.json").write_text(json.dumps({"min_agreement": 0.8, "tasks": []}))
+    with pytest.raises(CheckpointError, match="no Mode B head"):
+        release.make(released[0], tmp_path / "rel", agree_dir=report)
+    assert not (tmp_path / "rel").exists()
 
 
 def test_data_distill_mixes_the_teachers_read_into_train_targets_only(released, tmp_path):
@@ -397,3 +406,14 @@ def test_levbench_agree_reports_mode_a_vs_mode_b_and_gates(released_b, tmp_path)
     # the gate: below the required agreement the command fails
     assert bench_cli.main(["agree", *args, "--out", str(tmp_path / "b"), "--min-agreement", "1.01"]) == 1
     assert "FAIL" in (tmp_path / "b" / "agreement.md").read_text()
+    # a release of the run carries the report: manifest and card
+    from lev_jax.training import release
+
+    rel = release.make(run_dir, tmp_path / "rel", agree_dir=tmp_path / "a")
+    m = json.loads((rel / "lev_release.json").read_text())
+    assert m["mode_b"]["agreement"] == {"min_agreement": 0.0, "tasks": [rec]} and m["mode_b"]["min_options"] == 3
+    card = (rel / "README.md").read_text()
+    assert "Mode A (label codes) vs Mode B" in card and f"| tiny-agree | 4 | {rec['agreement']:.3f} |" in card
+    with pytest.raises(CheckpointError, match="no readable levbench agreement.json"):
+        release.make(run_dir, tmp_path / "rel2", agree_dir=tmp_path)
+    assert not (tmp_path / "rel2").exists()

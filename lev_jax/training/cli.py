@@ -4,7 +4,7 @@
                     [--mesh data=2,fsdp=2,tensor=2] [--loss plain|rlcd] [--set key=value ...]
                     [--fresh | --resume PATH]
     python -m train plan --preset NAME [--accelerator h100|v5p|cpu] [--set key=value ...] [--steps N]
-    python -m train release --run RUN_DIR [--step N] [--out DIR] [--eval LEVBENCH_DIR] [--depth-eval DIR]
+    python -m train release --run RUN_DIR [--step N] [--out DIR] [--eval LEVBENCH_DIR] [--agree DIR] [--depth-eval DIR]
 
 Rerunning the same command on an existing RUN_DIR resumes it from its newest checkpoint (to a larger
 --steps when given). `--fresh` moves the old checkpoints, history and calibration into
@@ -298,12 +298,17 @@ def plan_main(argv: Sequence[str], out=print) -> int:
 
 
 def release_main(argv: Sequence[str], out) -> int:
-    """`python -m train release --run RUN_DIR [--step N] [--out DIR] [--eval LEVBENCH_DIR] [--depth-eval DIR]`."""
+    """`python -m train release --run RUN_DIR [--step N] [--out DIR] [--eval DIR] [--agree DIR] [--depth-eval DIR]`."""
     p = _Parser(prog="python -m train release", description="Write a run's checkpoint as a release directory.")
     p.add_argument("--run", required=True, help="the training run directory")
     p.add_argument("--step", type=int, default=None, help="the checkpoint step (default: the newest readable)")
     p.add_argument("--out", default=None, help="the release directory to create (default: RUN_DIR/release-<step>)")
     p.add_argument("--eval", default=None, help="a levbench eval output directory: its held-out table goes in the card")
+    p.add_argument(
+        "--agree",
+        default=None,
+        help="a `levbench agree` output directory of this checkpoint: Mode A vs Mode B in the card and manifest",
+    )
     p.add_argument(
         "--depth-eval",
         default=None,
@@ -319,7 +324,9 @@ def release_main(argv: Sequence[str], out) -> int:
     if args.out is None:
         step, _, _ = run.load_checkpoint(run_dir, args.step)
         args.out = run_dir / f"release-{step}"
-    done = release.make(run_dir, args.out, step=args.step, eval_dir=args.eval, depth_dir=args.depth_eval)
+    done = release.make(
+        run_dir, args.out, step=args.step, eval_dir=args.eval, depth_dir=args.depth_eval, agree_dir=args.agree
+    )
     manifest = release.read_manifest(done)
     out(f"released {manifest['name']} (step {manifest['step']}) to {done}")
     return 0

@@ -1,13 +1,14 @@
 """Releases: a training run's checkpoint as one directory that users serve and that peft reads.
 
-    python -m train release --run RUN_DIR [--step N] [--out REL_DIR] [--eval LEVBENCH_DIR]
+    python -m train release --run RUN_DIR [--step N] [--out REL_DIR] [--eval LEVBENCH_DIR] [--agree AGREE_DIR]
 
     REL_DIR/
       adapter_model.safetensors   the LoRA adapter in peft's format (loaders.peft): the directory is
       adapter_config.json         itself a peft adapter, `PeftModel.from_pretrained(base, REL_DIR)`
       lev_release.json            the manifest: base model and its weights' hash, preset, step, prompt
                                   settings, calibration, held-out metrics, created, every file's sha256
-      mode_b_head.safetensors     the Mode B scorer head (fp32; a run trained with --mode-b)
+      mode_b_head.safetensors     the Mode B scorer head (fp32; a run trained with --mode-b); --agree's
+                                  `levbench agree` report (Mode A vs Mode B) goes in the manifest and card
       calibration.json            temperatures fitted on the run's calibration split (when it has them)
       tokenizer.json, tokenizer_config.json   the base's tokenizer (where it is a tokenizers one)
       README.md                   the model card: base, training, the held-out table
@@ -88,6 +89,19 @@ def _eval_summary(eval_dir: Path | None) -> list[dict]:
     return out
 
 
+def _agree_summary(agree_dir: Path | None) -> dict | None:
+    """A `levbench agree` report (agreement.json): Mode A vs Mode B on the same held-out choices."""
+    if agree_dir is None:
+        return None
+    p = agree_dir / "agreement.json"
+    try:
+        doc = json.loads(p.read_text(encoding="utf-8"))
+        tasks, gate = list(doc["tasks"]), float(doc["min_agreement"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"--agree {agree_dir}: no readable levbench agreement.json ({e})") from None
+    return {"min_agreement": gate, "tasks": tasks}
+
+
 def _depth_summary(depth_dir: Path | None, depths: list[int] | None, name: str) -> tuple[list[dict], str] | None:
     """(per depth: held-out n, accuracy, ECE, ms per decision -- the fixed-exit rows of a `levbench
     depth` report --, the report's Markdown) or None; CheckpointError if the report is unreadable or
@@ -148,6 +162,19 @@ def _exits_card(exits: dict | None) -> list[str]:
     return lines
 
 
+def _agree_card(agreement: dict | None) -> list[str]:
+    if not agreement:
+        return []
+    from lev_jax.bench import agree
+
+    return [
+        "Mode A (label codes) vs Mode B (the head) on the same held-out choices, every option in one row "
+        "(`levbench agree`):",
+        "",
+        agree.markdown(agreement["tasks"], agreement["min_agreement"]),
+    ]
+
+
 def _card(manifest: dict) -> str:
     base, train = manifest["base"], manifest["training"]
     lines = [
@@ -181,6 +208,7 @@ def _card(manifest: dict) -> str:
             if manifest.get("mode_b")
             else []
         ),
+        *_agree_card((manifest.get("mode_b") or {}).get("agreement")),
         *_exits_card(manifest.get("exits")),
         "Serve it: `python -m serve --checkpoint THIS_DIR` or `lev_jax.load('THIS_DIR')`. It is also a peft "
         "adapter directory: `PeftModel.from_pretrained(base_model, 'THIS_DIR')`.",
@@ -250,11 +278,12 @@ def _data_sources(data_dir: Path) -> list[dict]:
     ]
 
 
-def make(run_dir, out_dir, *, step: int | None = None, eval_dir=None, depth_dir=None) -> Path:
+def make(run_dir, out_dir, *, step: int | None = None, eval_dir=None, depth_dir=None, agree_dir=None) -> Path:
     """Write the release of `run_dir`'s checkpoint `step` (default: the newest readable) to `out_dir`
     (which must not exist yet). Returns `out_dir`. `eval_dir`: a levbench eval directory (held-out
     metrics); `depth_dir`: a `levbench depth` report of this checkpoint's exits (per-exit held-out
-    quality, served in /health)."""
+    quality, served in /health); `agree_dir`: a `levbench agree` report of its Mode B head against
+    its label codes (a run with a head only)."""
     from lev_jax.training import run
     from lev_jax.training.loop import fingerprint, same_base
 
@@ -271,6 +300,9 @@ def make(run_dir, out_dir, *, step: int | None = None, eval_dir=None, depth_dir=
     if not same_base(ck_meta.get("base", {}), fingerprint(cfg, base)):
         raise CheckpointError(f"{run_dir}: its checkpoint belongs to another base model than {cfg.model!r}")
     tasks = _eval_summary(eval_dir)
+    agreement = _agree_summary(None if agree_dir is None else Path(agree_dir))
+    if agreement is not None and modeb.HEAD_KEY not in trainable:
+        raise CheckpointError(f"--agree: {run_dir} has no Mode B head to compare with its label codes")
     name = run.model_name(base.name, cfg, got_step)
     exits_trained = trainable.get(exits_lib.EXITS_KEY)
     depth_eval = _depth_summary(depth_dir, None if exits_trained is None else sorted(map(int, exits_trained)), name)
@@ -334,7 +366,13 @@ def make(run_dir, out_dir, *, step: int | None = None, eval_dir=None, depth_dir=
                 **_lineage(run_dir, Path(cfg.data) if cfg.data else run_dir / "data"),
             },
             "engine": {k: getattr(cfg, k) for k in run.ENGINE_KEYS},
-            "mode_b": None if head is None else {"head": HEAD_FILE, "min_options": cfg.mode_b_min_options},
+            "mode_b": None
+            if head is None
+            else {
+                "head": HEAD_FILE,
+                "min_options": cfg.mode_b_min_options,
+                **({} if agreement is None else {"agreement": agreement}),
+            },
             "exits": None
             if exits is None
             else {

@@ -400,6 +400,11 @@ class Engine:
                     {"task": t["task"], "n": t["n"], **{k: t["metrics"].get(k) for k in ("accuracy", "ece")}}
                     for t in self.release.get("metrics") or []
                 ],
+                # Mode A vs Mode B on the same held-out choices (`train release --agree`)
+                "mode_b_agreement": [
+                    {k: t.get(k) for k in ("task", "questions", "agreement", "accuracy_mode_a", "accuracy_mode_b")}
+                    for t in ((self.release.get("mode_b") or {}).get("agreement") or {}).get("tasks", [])
+                ],
             },
             "mode_b": (
                 {"marker": self.planner.marker[0], "min_options": self.planner.mode_b_min_options}

@@ -76,3 +76,27 @@ def test_the_load_test_s_after_ready_halves_need_disjoint_and_equally_many_progr
         programs[half] = keys
     a, b = programs["A"], programs["B"]
     assert a and not a & b and len(a) == len(b)
+
+
+def test_the_default_reads_a_large_taxonomy_with_its_mode_b_head_in_one_row(default):
+    """The shipped release carries a Mode B pointer head: a choice of at least its threshold's options
+    is read in one marked row (equal to one full forward), a small one by label codes."""
+    from lev_jax.data.registry import REGISTRY
+
+    assert MANIFEST["mode_b"] is not None and default.backbone.mode_b_head is not None
+    assert default.info()["mode_b"]["min_options"] == MANIFEST["mode_b"]["min_options"] <= 77
+    big = {
+        "type": "choice",
+        "instructions": "What does the customer want?",
+        "criteria": {o.key: None for o in REGISTRY["banking77"].options},
+    }
+    questions = {"big": big, **QUESTION}
+    assert {qp.qid: qp.route for qp in default.plan(STATE, questions).questions} == {
+        "big": "mode_b",
+        "intent": "mode_a",
+    }
+    fast = default.predict(STATE, questions)["big"]
+    ref = default.predict(STATE, {"big": big}, reference=True)["big"]
+    p = np.asarray(list(fast["probabilities"].values()))
+    assert abs(p.sum() - 1) < 1e-9 and fast["choice"] == "transaction_charged_twice"
+    np.testing.assert_allclose(p, np.asarray(list(ref["probabilities"].values())), atol=1e-5, rtol=0)

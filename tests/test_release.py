@@ -414,6 +414,8 @@ def test_levbench_agree_reports_mode_a_vs_mode_b_and_gates(released_b, tmp_path)
     assert m["mode_b"]["agreement"] == {"min_agreement": 0.0, "tasks": [rec]} and m["mode_b"]["min_options"] == 3
     card = (rel / "README.md").read_text()
     assert "Mode A (label codes) vs Mode B" in card and f"| tiny-agree | 4 | {rec['agreement']:.3f} |" in card
+    [served] = lev_jax.load(str(rel), dtype="float32").info()["release"]["mode_b_agreement"]  # /health's
+    assert served == {k: rec[k] for k in ("task", "questions", "agreement", "accuracy_mode_a", "accuracy_mode_b")}
     with pytest.raises(CheckpointError, match="no readable levbench agreement.json"):
         release.make(run_dir, tmp_path / "rel2", agree_dir=tmp_path)
     assert not (tmp_path / "rel2").exists()

@@ -53,7 +53,7 @@ def test_an_exits_stage_trains_the_exits_and_leaves_the_adapter_untouched(stage)
         assert not np.array_equal(np.asarray(exits[0][d]["b"]), np.asarray(exits[1][d]["b"]))
         assert np.abs(np.asarray(exits[0][d]["gain"]) - 1).max() > 0
     assert "exits KL" in stdout  # each exit also learned from the full depth's answer (exit_distill)
-    losses = [e["loss"] for e in _progress(run)]
+    losses = [e["loss"] for e in _progress(run) if e["step"] > 2]  # (the plain run's own came along)
     assert len(losses) == 3 and all(np.isfinite(losses))
 
 

@@ -269,12 +269,17 @@ def test_mode_b_stage_adds_a_head_to_a_plain_run_and_then_resumes_exactly(tmp_pa
     assert "stage: a fresh Mode B head and optimiser from step 4" in p.stdout and "step 8/8" in p.stdout
     # (batches hold one question each: these 4 steps need not meet a choice; the marker loss window is
     # checked where a --mode-b run trains choices, tests/test_release.py)
-    assert {"event": "stage", "step": 4, "mode_b": True} in json.loads((stage / "history.json").read_text())["events"]
+    events = json.loads((stage / "history.json").read_text())["events"]
+    assert {"event": "stage", "step": 4, "mode_b": True} in events
+    # the plain run's history up to the checkpoint comes along (a release of the stage names its lineage)
+    plain = json.loads((run / "history.json").read_text())["events"]
+    assert plain and events[: len(plain)] == [e for e in plain if e.get("step", 0) <= 4]
     # resumed from the stage's step-6 checkpoint in another directory: bit-identical at step 8
     again = tmp_path / "again-b"
     more = ["--mode-b", "--set", "mode_b_min_options=2", "--steps", "8", "--checkpoint-every", "2", *FAST]
     q = train(again, "--resume", str(stage / "checkpoints" / "6"), *more)
     assert "at step 6" in q.stdout and "stage:" not in q.stdout
+    assert {"event": "stage", "step": 4, "mode_b": True} in json.loads((again / "history.json").read_text())["events"]
     _same_checkpoint(stage / "checkpoints" / "8", again / "checkpoints" / "8")
 
 
@@ -288,7 +293,7 @@ def test_head_only_mode_b_stage_leaves_the_adapter_untouched(tmp_path):
     args = ["--resume", str(plain / "checkpoints" / "2"), "--mode-b", "--set", "mode_b_min_options=2"]
     p = train(stage, *args, "--set", "train_adapter=false", *choices, "--steps", "4", "--checkpoint-every", "1", *FAST)
     assert "adapter frozen: only the Mode B head learns" in p.stdout and "step 4/4" in p.stdout
-    progress = _progress(stage)
+    progress = [e for e in _progress(stage) if e["step"] > 2]  # (the plain run's own came along)
     assert all("marker" in e["loss_by_mode"] and "letter" not in e["loss_by_mode"] for e in progress)
     from lev_jax.training import config, loop
 

@@ -24,8 +24,7 @@ from lev_jax import domain
 def engines(engine):
     """(Mode A engine, Mode B engine) over `engine`'s backbone, prompt settings and calibration:
     Mode A with the head switched off, Mode B with its threshold at the smallest choice."""
-    from lev_jax.engine import Engine
-
+    engine_type = type(engine)  # not imported: lev_jax.engine reads releases, whose cards use `markdown`
     if engine.backbone.mode_b_head is None:
         raise ValueError(f"{engine.model_name} has no Mode B head: nothing to compare Mode A with")
     kw = dict(
@@ -36,8 +35,8 @@ def engines(engine):
         calibration=engine.calibration,
         model_name=engine.model_name,
     )
-    a = Engine(engine.backbone, mode_b=False, **kw)
-    b = Engine(engine.backbone, mode_b_min_options=domain.CHOICE_OPTIONS[0], **kw)
+    a = engine_type(engine.backbone, mode_b=False, **kw)
+    b = engine_type(engine.backbone, mode_b_min_options=domain.CHOICE_OPTIONS[0], **kw)
     return a, b
 
 

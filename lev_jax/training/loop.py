@@ -558,6 +558,11 @@ def train(
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
         ) from None
     history = checkpoint.read_history(run_dir)
+    if not history and resume is not None and Path(_run_of(resume)).resolve() != Path(run_dir).resolve():
+        # continued from another run's checkpoint: that run's events up to it come along (cut at the
+        # restored step below), so the lineage -- the release it started from, its stages -- reaches
+        # this run's releases
+        history = checkpoint.read_history(_run_of(resume))
     if started_from is not None:
         out(f"starting from release {started_from}'s adapter")
         history.append({"event": "stage", "step": 0, "from_release": started_from})

@@ -185,7 +185,9 @@ def _card(manifest: dict) -> str:
         f"--preset {train['preset']}` for {manifest['step']} steps"
         + (f", starting from the release `{train['started_from']}`" if train.get("started_from") else "")
         + ". It reads decisions (choice, score, noul) "
-        "from the next-token distribution over single-token label codes; nothing is generated.",
+        "from the next-token distribution over single-token label codes"
+        + (" (large choices with its Mode B head, below)" if manifest.get("mode_b") else "")
+        + "; nothing is generated.",
         "",
         *(
             [
@@ -249,7 +251,7 @@ def _lineage(run_dir: Path, data_dir: Path) -> dict:
     out: dict = {"started_from": None, "distilled": None}
     try:
         events = json.loads((run_dir / "history.json").read_text(encoding="utf-8"))["events"]
-        out["started_from"] = next((e["from_release"] for e in events if e.get("event") == "stage"), None)
+        out["started_from"] = next((e["from_release"] for e in events if "from_release" in e), None)
     except (OSError, ValueError, KeyError):
         pass
     try:

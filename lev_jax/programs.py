@@ -13,8 +13,12 @@ reasons:
   changing the signature (this package's source, jax's version, the device, the CPU's features), so
   a later process only loads it. Files are written atomically; one that cannot be read is deleted
   and the program compiled again; an executable JAX took from its own cache is never stored
-  (`Program._executable` says why). (Like JAX's cache, a stored executable is machine code this
-  process runs: the directory must be the user's own.)
+  (`Program._executable` says why). A stored executable is machine code this process runs (and a
+  pickle it unpickles), so the store is trusted only as far as it is the user's own: its directory
+  is created 0700, nothing is read from a directory or file another user owns or may write (a
+  warning, and the program is compiled), and every file carries an HMAC-SHA256 under a per-user key
+  (`KEY_FILE`, 0600, made on first use) that is checked before a byte of it is unpacked, so a
+  planted file never reaches the unpickler.
 - **A warm-up need not compute what it has run once** (`dry_run()`): under it, a program marked
   `dry=True` (its outputs are only ever read as numbers or passed to other programs, never decide a
   later program's shape) runs the first time a signature is called, because an executable's first
@@ -37,10 +41,12 @@ import contextlib
 import functools
 import gc
 import hashlib
+import hmac
 import inspect
 import logging
 import os
 import pickle
+import secrets
 import tempfile
 import threading
 import time
@@ -185,6 +191,81 @@ def store_dir() -> Path | None:
         return None
     cache = runtime.compilation_cache_dir()
     return Path(cache) / STORE_DIR if cache else None
+
+
+KEY_FILE = ".hmac-key"  # in the store: the per-user key its files are authenticated with (0600)
+KEY_BYTES = 32
+MAGIC = b"LEVPROG1"  # a stored file: MAGIC, HMAC-SHA256(key, file name + body), body (zstd pickle)
+MAC_BYTES = hashlib.sha256().digest_size
+_warned: set[tuple[str, str]] = set()
+
+
+def _warn_once(path: Path, why: str) -> None:
+    with _stats_lock:
+        if (str(path), why) in _warned:
+            return
+        _warned.add((str(path), why))
+    log.warning("not using the program store: %s %s; programs compile afresh", path, why)
+
+
+def store_key(root: Path, *, create: bool = False) -> bytes | None:
+    """The key `root`'s files are authenticated with, or None (warned once) when `root` or its key
+    is not this user's own alone (`runtime.untrusted`); `create`: make the directory (0700) and the
+    key (0600) where they are missing."""
+    from lev_jax import runtime
+
+    if create:
+        runtime.private_dir(root)
+    elif not root.is_dir():
+        return None
+    if why := runtime.untrusted(root):
+        _warn_once(root, why)
+        return None
+    path = root / KEY_FILE
+    if not path.exists():
+        _new_key(path)
+    if why := runtime.untrusted(path, secret=True):
+        _warn_once(path, why)
+        return None
+    key = path.read_bytes()
+    if len(key) != KEY_BYTES:
+        _warn_once(path, f"is not a {KEY_BYTES}-byte key")
+        return None
+    return key
+
+
+def _new_key(path: Path) -> None:
+    """Write a random key at `path` atomically: written whole under another name (mkstemp: 0600),
+    then linked into place, so two processes starting at once agree on the first one's key."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".key-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(KEY_BYTES))
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass  # another process made it first: its key is the store's
+    finally:
+        os.unlink(tmp)
+
+
+def _mac(key: bytes, name: str, body: bytes) -> bytes:
+    # the file's name is its signature's key: a file moved under another program's name fails too
+    return hmac.new(key, name.encode() + b"\0" + body, hashlib.sha256).digest()
+
+
+def seal(key: bytes, name: str, body: bytes) -> bytes:
+    """A stored file's bytes: `body` authenticated for the file `name`."""
+    return MAGIC + _mac(key, name, body) + body
+
+
+def unseal(key: bytes, name: str, data: bytes) -> bytes | None:
+    """The body of a stored file whose MAC is right, else None (nothing of it is unpacked)."""
+    head = len(MAGIC) + MAC_BYTES
+    if len(data) < head or not data.startswith(MAGIC):
+        return None
+    body = data[head:]
+    return body if hmac.compare_digest(data[len(MAGIC) : head], _mac(key, name, body)) else None
 
 
 @functools.lru_cache(maxsize=1)
@@ -340,6 +421,9 @@ class Program:
         path = self._path(key)
         if path is None or not path.is_file():
             return None
+        body = self._authentic(path)
+        if body is None:
+            return None
         import zstandard
         from jax.experimental import serialize_executable
 
@@ -349,7 +433,7 @@ class Program:
             log.warning("not loading stored programs (%s: %s)", type(e).__name__, e)
             return None
         try:
-            payload, in_tree, out_tree = pickle.loads(zstandard.ZstdDecompressor().decompress(path.read_bytes()))
+            payload, in_tree, out_tree = pickle.loads(zstandard.ZstdDecompressor().decompress(body))
             exe = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
         except Exception as e:  # noqa: BLE001 — a damaged or stale file: compile instead
             log.warning("ignoring the stored program %s (%s: %s)", path.name, type(e).__name__, e)
@@ -357,6 +441,24 @@ class Program:
             return None
         _count("loaded")
         return exe
+
+    @staticmethod
+    def _authentic(path: Path) -> bytes | None:
+        """The body of the stored file `path` when the store and the file are this user's own and
+        its MAC is right; else None (warned; a bad MAC: the file is dropped)."""
+        from lev_jax import runtime
+
+        key = store_key(path.parent)
+        if key is None:
+            return None
+        if why := runtime.untrusted(path):
+            _warn_once(path, why)
+            return None
+        body = unseal(key, path.name, path.read_bytes())
+        if body is None:  # damaged, stale, or not written by this user's processes: never unpacked
+            log.warning("ignoring the stored program %s (its MAC does not match this store's key)", path.name)
+            path.unlink(missing_ok=True)
+        return body
 
     def _save(self, key: tuple, exe) -> None:
         path = self._path(key)
@@ -367,9 +469,12 @@ class Program:
 
         tmp = None
         try:
+            mac_key = store_key(path.parent, create=True)
+            if mac_key is None:
+                return  # a store that is not the user's own alone is not written to either
             # compressed like JAX's own cache entries (machine code: ~10x smaller, ~ms to unpack)
-            data = zstandard.ZstdCompressor(level=3).compress(pickle.dumps(serialize_executable.serialize(exe)))
-            path.parent.mkdir(parents=True, exist_ok=True)
+            body = zstandard.ZstdCompressor(level=3).compress(pickle.dumps(serialize_executable.serialize(exe)))
+            data = seal(mac_key, path.name, body)
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".program-")
             with os.fdopen(fd, "wb") as f:
                 f.write(data)

@@ -70,16 +70,52 @@ def enable_compilation_cache(explicit: str | os.PathLike | None = None, *, min_c
         path = cache_dir_setting(explicit)
         if path:
             try:
-                Path(path).mkdir(parents=True, exist_ok=True)
+                private_dir(path)
             except OSError as e:  # a read-only home must not stop a model from loading
                 log.warning("compilation cache disabled: cannot create %s (%s)", path, e)
                 path = ""
+        if path and (why := untrusted(path)):
+            # the cache holds machine code this process runs: another user's writable directory
+            # would let them run code in ours
+            log.warning("compilation cache disabled: %s %s; programs compile afresh", path, why)
+            path = ""
         if path:
             jax.config.update("jax_compilation_cache_dir", path)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_s)
             jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
         _configured = path
         return path or None
+
+
+PRIVATE_DIR_MODE = 0o700  # the cache and program-store directories: the user's own
+
+
+def private_dir(path: str | os.PathLike) -> Path:
+    """Create `path` (and missing parents) readable and writable by this user only; an existing
+    directory is left as it is (`untrusted` judges it)."""
+    path = Path(path)
+    if not path.is_dir():
+        path.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
+        os.chmod(path, PRIVATE_DIR_MODE)  # mkdir's mode is filtered by the umask; this one is meant
+    return path
+
+
+def untrusted(path: str | os.PathLike, *, secret: bool = False) -> str | None:
+    """Why this process must not load code (or a key) from `path`, or None when it may: it must
+    be this user's own (a link: its target) and writable by nobody else (`secret`: readable by
+    nobody else either), so that no other user can plant what we run."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        return f"cannot be checked ({e.strerror})"
+    if not hasattr(os, "getuid"):  # no POSIX owners (Windows): nothing to check against
+        return None
+    if st.st_uid != os.getuid():
+        return f"is owned by uid {st.st_uid}, not this user ({os.getuid()})"
+    others = 0o077 if secret else 0o022
+    if st.st_mode & others:
+        return f"has mode {st.st_mode & 0o777:o} ({'accessible' if secret else 'writable'} by other users)"
+    return None
 
 
 def compilation_cache_dir() -> str | None:

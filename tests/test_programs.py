@@ -222,3 +222,89 @@ def test_a_new_process_runs_a_stored_program_that_calls_lapack(tmp_path):
     first, second = (r.stdout.split() for r in runs)
     assert first[0] == "0" and second[0] == "1"  # compiled, then loaded from the store
     assert first[1] == second[1]
+
+
+# -- a trusted store: planted files never reach the unpickler --------------------------------------
+
+
+class _Planted:
+    """What another user could plant in a shared store: a pickle whose loading writes `marker`."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').write('ran')",))
+
+
+def _planted_body(marker) -> bytes:
+    import pickle
+
+    import zstandard
+
+    return zstandard.ZstdCompressor().compress(pickle.dumps(_Planted(marker)))  # a stored program's body
+
+
+@programs.program()
+def _tripled(x):
+    return x * 3.0 + 0.0625
+
+
+def _stored_program(tmp_path, monkeypatch):
+    """A store of this test's own with `_tripled`'s executable in it: (store, its file, the input)."""
+    root = tmp_path / "cache" / programs.STORE_DIR
+    monkeypatch.setattr(programs, "store_dir", lambda: root)
+    _tripled.clear()
+    x = jnp.arange(5.0)
+    np.testing.assert_allclose(np.asarray(_tripled(x)), np.arange(5.0) * 3 + 0.0625)
+    files = list(root.glob("tripled-*.bin"))
+    assert len(files) == 1, sorted(p.name for p in root.iterdir())
+    return root, files[0], x
+
+
+def _runs_without_loading(path, x, marker, caplog, fragment):
+    _tripled.clear()  # a new process: the store on disk, nothing in memory
+    loaded = programs.stats()["loaded"]
+    np.testing.assert_allclose(np.asarray(_tripled(x)), np.arange(5.0) * 3 + 0.0625)  # compiled afresh
+    assert not marker.exists(), "a planted pickle was unpickled"
+    assert programs.stats()["loaded"] == loaded
+    assert fragment in caplog.text
+
+
+def test_the_store_is_private_and_a_planted_file_with_a_bad_mac_is_never_unpickled(tmp_path, monkeypatch, caplog):
+    root, path, x = _stored_program(tmp_path, monkeypatch)
+    marker = tmp_path / "pwned"
+    path.write_bytes(_planted_body(marker))  # as files were written before they carried a MAC
+    _runs_without_loading(path, x, marker, caplog, "MAC does not match")
+    path.write_bytes(programs.MAGIC + bytes(programs.MAC_BYTES) + _planted_body(marker))  # a forged MAC
+    _runs_without_loading(path, x, marker, caplog, "MAC does not match")
+    assert root.stat().st_mode & 0o777 == 0o700
+    assert (root / programs.KEY_FILE).stat().st_mode & 0o777 == 0o600
+
+
+def test_a_store_file_or_directory_others_may_write_is_never_read(tmp_path, monkeypatch, caplog):
+    root, path, x = _stored_program(tmp_path, monkeypatch)
+    key = programs.store_key(root)
+    marker = tmp_path / "pwned"
+    path.write_bytes(programs.seal(key, path.name, _planted_body(marker)))  # even with a right MAC
+    os.chmod(path, 0o666)
+    _runs_without_loading(path, x, marker, caplog, "writable by other users")
+    os.chmod(path, 0o600)
+    os.chmod(root, 0o777)
+    try:
+        _runs_without_loading(path, x, marker, caplog, "has mode 777")
+    finally:
+        os.chmod(root, 0o700)
+    os.chmod(root / programs.KEY_FILE, 0o644)  # a key others can read is no secret
+    _runs_without_loading(path, x, marker, caplog, "accessible by other users")
+
+
+def test_runtime_creates_private_directories_and_judges_them(tmp_path):
+    from lev_jax import runtime
+
+    made = runtime.private_dir(tmp_path / "a" / "b")
+    assert made.stat().st_mode & 0o777 == 0o700 and runtime.untrusted(made) is None
+    os.chmod(made, 0o775)
+    assert "writable by other users" in runtime.untrusted(made)
+    os.chmod(made, 0o755)
+    assert runtime.untrusted(made) is None and "accessible" in runtime.untrusted(made, secret=True)

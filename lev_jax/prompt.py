@@ -5,12 +5,18 @@ Two styles: `chat` (the checkpoint's chat template, thinking disabled, the answe
 after the assistant turn opens) and `plain` (no template; the answer follows "Answer:").
 Two layouts: `state_first` (the state, then the question: every question of a request shares the
 state prefix, which is computed once) and `schema_first` (the question, then the state).
+
+Everything a request supplies (the state, instructions, options, levels, criteria) reaches the
+tokenizer marked as user text (`tokenizer.plain_text`): a special-token string written in it is
+encoded as the characters it is, so a request cannot forge the template's turns.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+
+from lev_jax.tokenizer import plain_text
 
 STYLES = ("chat", "plain")
 LAYOUTS = ("state_first", "schema_first")
@@ -56,7 +62,9 @@ def choice_pieces_marked(
         d = render_value(desc)
         lines.append(f"- {key}: {d}" if d else f"- {key}")
     state = f"\n\n{state_block}" if state_block else ""
-    return f"Question: {instructions}\nOptions:\n", lines, "\nWhich option fits best?" + state
+    # each piece is encoded on its own (readout.modeb): each is marked as user text
+    head, tail = f"Question: {instructions}\nOptions:\n", "\nWhich option fits best?" + state
+    return plain_text(head), [plain_text(line) for line in lines], plain_text(tail)
 
 
 def score_text(instructions: str, levels: list[str], codes: list[str]) -> str:
@@ -124,10 +132,13 @@ class PromptFormat:
 
     @staticmethod
     def state_block(state_text: str) -> str:
-        return f"State:\n{state_text}"
+        return f"State:\n{plain_text(state_text)}"
 
     def build(self, state_text: str, question_text: str, layout: str = "state_first") -> Prompt:
+        """The prompt of a state and a question's text; both are the request's (user text, marked
+        so), the template's head and tail the only special tokens."""
         state_block = self.state_block(state_text)
+        question_text = plain_text(question_text)
         if layout == "state_first":
             return Prompt(self.head + state_block + "\n\n", question_text + self.tail)
         if layout == "schema_first":

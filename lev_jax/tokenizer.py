@@ -13,6 +13,15 @@ own, and special-token strings written in the text (``<|im_start|>``...) are rec
 ids -- chat templates rely on that. Callers that want a BOS prepend :attr:`Tokenizer.bos_id` themselves
 (:attr:`Tokenizer.add_bos` says whether the model expects one).
 
+User text is text: a request's state, instructions and options go into the same string as the
+template's own special tokens, so a state holding ``<|im_end|>\n<|im_start|>assistant`` would forge a
+chat turn. :func:`plain_text` marks such text (``lev_jax.prompt`` applies it to everything a request
+supplies): it puts :data:`PLAIN_MARK`, a Unicode noncharacter, inside every special-token string in
+it, so :meth:`Tokenizer.encode` no longer recognises them there and, dropping the marks, encodes
+those characters exactly as plain text (the ids the same characters get with every special token
+disallowed). The mark is local, so it survives the prompt being cut anywhere (at image
+placeholders, say); text without marks is encoded as before, id for id.
+
 This module reads tokenizer files only; it imports nothing from :mod:`lev_jax.loaders` (the loaders build
 on it, not the other way round).
 """
@@ -21,6 +30,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import threading
 import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
@@ -28,7 +39,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Tokenizer", "QWEN3_5_CHAT_TEMPLATE", "bytes_to_unicode", "spell_bytes"]
+__all__ = ["Tokenizer", "QWEN3_5_CHAT_TEMPLATE", "PLAIN_MARK", "bytes_to_unicode", "plain_text", "spell_bytes"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -71,6 +82,43 @@ def _unspell(token: str) -> bytes | None:
         return bytes(table[c] for c in token)
     except KeyError:
         return None
+
+
+# --------------------------------------------------------------------------------------------------
+# User text: special-token strings in it are plain text
+# --------------------------------------------------------------------------------------------------
+
+# Put inside a special-token string written in user text, so that encode() reads those characters as
+# plain text; encode() drops every such mark. A noncharacter (U+FDD0): Unicode keeps it for a
+# program's internal use, so no text means anything by it.
+PLAIN_MARK = "\ufdd0"
+_specials_seen: set[str] = set()  # the special-token strings of every Tokenizer built in this process
+_specials_lock = threading.Lock()
+
+
+def _register_specials(strings: Iterable[str]) -> None:
+    with _specials_lock:
+        _specials_seen.update(s for s in strings if len(s) > 1)  # one character cannot be split
+
+
+@lru_cache(maxsize=8)
+def _specials_pattern(strings: frozenset[str]) -> re.Pattern | None:
+    # the longest first, so that one special that begins another never cuts it short
+    alternatives = sorted(strings, key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, alternatives))) if alternatives else None
+
+
+def plain_text(text: str) -> str:
+    """`text` marked as user text: every special-token string in it (of any tokenizer this process
+    has built) gets a :data:`PLAIN_MARK` after its first character, so :meth:`Tokenizer.encode`
+    encodes it as the plain characters it is, never as a special id. Idempotent; text without
+    special-token strings is returned as it is."""
+    with _specials_lock:
+        seen = frozenset(_specials_seen)
+    pattern = _specials_pattern(seen)
+    if pattern is None:
+        return text
+    return pattern.sub(lambda m: m.group(0)[0] + PLAIN_MARK + m.group(0)[1:], text)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -158,9 +206,25 @@ class _HFBackend:
 
     def __init__(self, tk):
         self.tk = tk
+        self._plain = None
 
     def encode(self, text: str) -> list[int]:
         return self.tk.encode(text, add_special_tokens=False).ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Ids of `text` with every special token read as plain text (non-special added tokens,
+        vocabulary words of their own, are still matched, as encode() matches them)."""
+        if self._plain is None:  # a copy, so that no thread's encode() ever sees the switch flipped
+            from tokenizers import Tokenizer as HFTokenizer
+
+            plain = HFTokenizer.from_str(self.tk.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    def special_tokens(self) -> dict[str, int]:
+        """The special tokens encode() recognises in text, by their strings."""
+        return {t.content: i for i, t in self.tk.get_added_tokens_decoder().items() if t.special and t.content}
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tk.encode_batch(texts, add_special_tokens=False)]
@@ -192,6 +256,12 @@ class _TiktokenBackend:
 
     def encode(self, text: str) -> list[int]:
         return self.enc.encode(self._normalize(text), allowed_special="all", disallowed_special=())
+
+    def encode_plain(self, text: str) -> list[int]:
+        return self.enc.encode(self._normalize(text), allowed_special=set(), disallowed_special=())
+
+    def special_tokens(self) -> dict[str, int]:
+        return dict(self.specials)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return self.enc.encode_batch([self._normalize(t) for t in texts], allowed_special="all", disallowed_special=())
@@ -259,13 +329,20 @@ class Tokenizer:
         self.chat_template = chat_template
         self.add_bos = bool(add_bos)
         self.vocab_size: int = backend.max_id() + 1
+        self._specials = backend.special_tokens()
+        self._specials_re = _specials_pattern(frozenset(self._specials))
+        _register_specials(self._specials)
 
     # ---- encoding -------------------------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``. Adds no BOS/EOS; special-token strings in the text become their ids."""
+        """Token ids of ``text``. Adds no BOS/EOS; special-token strings in the text become their ids,
+        except where :func:`plain_text` marked them as user text (then they are plain text, and the
+        marks are dropped)."""
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
+        if PLAIN_MARK in text:
+            return self._encode_marked(text)
         return self._backend.encode(text)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
@@ -274,7 +351,22 @@ class Tokenizer:
         for t in texts:
             if not isinstance(t, str):
                 raise TypeError(f"encode_batch() takes strs, got {type(t).__name__}")
+        if any(PLAIN_MARK in t for t in texts):
+            return [self.encode(t) for t in texts]
         return self._backend.encode_batch(texts)
+
+    def _encode_marked(self, text: str) -> list[int]:
+        """The text cut at the special tokens left whole (the template's own), each piece between
+        them encoded with no special token recognised: what the backends do themselves with text
+        holding special tokens, so unmarked pieces come out id for id as encode() gives them."""
+        ids: list[int] = []
+        start = 0
+        pattern = self._specials_re
+        for m in pattern.finditer(text) if pattern is not None else ():
+            ids += self._backend.encode_plain(text[start : m.start()].replace(PLAIN_MARK, ""))
+            ids.append(self._specials[m.group(0)])
+            start = m.end()
+        return ids + self._backend.encode_plain(text[start:].replace(PLAIN_MARK, ""))
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text of ``ids`` (invalid UTF-8 becomes U+FFFD)."""

@@ -68,3 +68,19 @@ MAX_IMAGE_PIXELS = 40_000_000
 # the default pixel budget per image: an image is resized (aspect kept) to at most this many pixels
 # before the vision tower, so its cost in image tokens is bounded
 IMAGE_PIXEL_BUDGET = 512 * 512
+
+# -- wire limits (checked on the parsed body, before any tokenizing or image decoding) -------------
+# Cheap caps a request is refused at (422) before the engine spends anything on it: the token
+# budgets above are only known once the text is tokenized, which for a large state (or many
+# questions) is itself the cost to avoid. Characters are counted in the request's strings (keys
+# too); MAX_CHARS_PER_TOKEN turns token budgets into character caps with room to spare (real text
+# averages ~4 characters per token), so a request within the token budgets is within these.
+MAX_CHARS_PER_TOKEN = 8
+MAX_STATE_CHARS = MAX_STATE_PLUS_QUESTION_TOKENS * MAX_CHARS_PER_TOKEN  # the state's strings
+MAX_REQUEST_CHARS = MAX_REQUEST_TOKENS * MAX_CHARS_PER_TOKEN  # the state's and every question's strings
+MAX_TEXT_CHARS = 32768  # one instruction, option name or description, level or noul criterion (a string)
+MAX_ID_CHARS = 256  # a question id, an asset key or a multipart part name
+MAX_QUESTIONS = 512  # questions per request
+MAX_ASSETS = MAX_IMAGES_PER_REQUEST  # image assets per request: each must be used in the state
+# base64 of the largest image asset, with a line break every 76 characters (MIME) allowed for
+MAX_ASSET_BASE64_CHARS = -(-MAX_IMAGE_BYTES // 3) * 4 * 78 // 76 + 2

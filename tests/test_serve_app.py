@@ -195,9 +195,16 @@ def test_validation_errors_are_fastapi_shaped(server):
     assert r.headers["x-typesafe-request-id"].startswith("req_")
 
 
-def test_content_type_is_not_required(server):
-    r = httpx.post(server.url + "/v1/systemone", content=json.dumps(body()), headers={"content-type": "text/plain"})
-    assert r.status_code == 200
+def test_json_is_read_only_as_application_json(server):
+    """A web page may post text/plain (or a form) to a loopback server without a CORS preflight: such a
+    body is refused with 415 before it is read, and so is one without a Content-Type."""
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", None):
+        headers = {"content-type": ctype} if ctype else {}
+        r = httpx.post(server.url + "/v1/systemone", content=json.dumps(body()), headers=headers)
+        assert_error(r, 415, "api_usage_error", "Content-Type")
+    for ctype in ("application/json; charset=utf-8", "Application/JSON", "application/vnd.jev+json"):
+        r = httpx.post(server.url + "/v1/systemone", content=json.dumps(body()), headers={"content-type": ctype})
+        assert r.status_code == 200, (ctype, r.text)
 
 
 def test_unknown_routes_and_methods_use_the_error_shape(server):

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
@@ -198,6 +199,11 @@ def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> Fa
     async def _api_error(request: Request, exc: E.ApiError):
         return _error_response(exc.status, exc.error_type, exc.message, exc.headers)
 
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        # FastAPI's shape, bounded: a 422 never grows with the body that earned it
+        return JSONResponse({"detail": E.bounded_errors(exc.errors())}, status_code=422)
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         etype = E.STATUS_ERROR_TYPES.get(exc.status_code, E.API_USAGE if exc.status_code < 500 else E.INTERNAL)
@@ -234,14 +240,17 @@ def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> Fa
     async def systemone(request: Request):
         t0 = time.perf_counter()
         check_auth(request)
+        content_type = request.headers.get("content-type")
+        body_lib.check_content_type(content_type)
         try:
             raw = await body_lib.read_body(request, cfg.max_body_bytes)
         except ClientDisconnect:
             metrics.cancelled.inc()
             return Response(status_code=499)
-        args = (raw, request.headers.get("content-encoding"), request.headers.get("content-type"), cfg.max_body_bytes)
-        # small bodies inline; large ones (decompression, JSON, validation) off the event loop
-        req, parts = _parse(*args) if len(raw) < (256 << 10) else await run_in_threadpool(_parse, *args)
+        args = (raw, request.headers.get("content-encoding"), content_type, cfg.max_body_bytes)
+        # decompression, JSON and validation off the event loop, whatever the size: a few hundred
+        # compressed bytes can hold seconds of that work, and /health must answer meanwhile
+        req, parts = await run_in_threadpool(_parse, *args)
 
         if req.model not in accepted_models:
             raise E.usage_error(f"Unknown model: {req.model}")
@@ -251,7 +260,8 @@ def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> Fa
                 f"Model {model_name} cannot locate boxes: question {boxes[0]!r} has type 'box', "
                 "which asks for coordinates; this server reads decisions: use noul, choice or score"
             )
-        images = body_lib.resolve_assets(req.assets, parts, req.state, req.questions)
+        # base64, signatures and placeholder lookup walk the whole request: off the event loop too
+        images = await run_in_threadpool(body_lib.resolve_assets, req.assets, parts, req.state, req.questions)
         if images and not engine.supports_images:
             where = sorted({w for img in images for w in img.references})
             raise E.usage_error(
@@ -552,8 +562,8 @@ def _request_schemas() -> dict[str, Any]:
 _REQUEST_BODY = {
     "requestBody": {
         "required": True,
-        "description": "JSON, optionally with Content-Encoding zstd, gzip or deflate (any Content-Type other than "
-        "multipart/form-data, or none, is read as JSON). Requests with images may be "
+        "description": "JSON as application/json, optionally with one Content-Encoding (zstd, gzip or deflate; "
+        "another Content-Type, or none, is answered 415). Requests with images may be "
         "multipart/form-data: a JSON part `request` and one raw part per asset (`asset-0`, ...). Every part "
         "besides `request` must be named by the `part` of exactly one entry in `assets`: a part that no asset "
         "names (or that two name) is answered 400, as the official API does.",
@@ -599,8 +609,15 @@ _ERROR_RESPONSES: dict[int | str, dict] = {
         "request_too_large: over the token budget (64k tokens per request, 32k for state + longest question) "
         "or over the body size limit"
     ),
-    415: _err("api_usage_error: unsupported Content-Encoding"),
-    422: {"description": "Validation error", "model": wire.HTTPValidationError},
+    415: _err(
+        "api_usage_error: a Content-Type other than application/json (or multipart/form-data), or none; an "
+        "unsupported Content-Encoding, or more than one"
+    ),
+    422: {
+        "description": f"Validation error: at most {E.MAX_VALIDATION_ERRORS} errors are listed (then one counting "
+        "the rest), long messages cut, large inputs not echoed",
+        "model": wire.HTTPValidationError,
+    },
     429: _err("rate_limit_error: the queue is full; see Retry-After"),
     500: _err("internal_error: a bug in the server (bad input never gets one); the message names the request id"),
     503: _err("overloaded_error: the server is shutting down; see Retry-After"),

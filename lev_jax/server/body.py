@@ -42,13 +42,17 @@ async def read_body(request, max_bytes: int) -> bytes:
 
 
 def decode_content(data: bytes, content_encoding: str | None, max_bytes: int) -> bytes:
-    """Undo Content-Encoding (a comma-separated list, applied in order, so undone last to first)."""
+    """Undo Content-Encoding: one coding at most (besides identity). Every layer would be decompressed
+    up to the size limit again, so a stack of them multiplies the work one small body asks for."""
     if not content_encoding:
         return data
     codings = [c.strip().lower() for c in content_encoding.split(",") if c.strip()]
-    for coding in reversed(codings):
-        if coding == "identity":
-            continue
+    codings = [c for c in codings if c != "identity"]
+    if len(codings) > 1:
+        raise ApiError(
+            415, "api_usage_error", f"Content-Encoding {content_encoding!r} stacks {len(codings)} codings; send one"
+        )
+    for coding in codings:
         if coding == "zstd":
             data = _unzstd(data, max_bytes)
         elif coding in ("gzip", "x-gzip"):
@@ -182,8 +186,31 @@ class Part:
     filename: str | None = None
 
 
+def media_type(content_type: str | None) -> str:
+    return (content_type or "").split(";")[0].strip().lower()
+
+
 def is_multipart(content_type: str | None) -> bool:
-    return bool(content_type) and content_type.split(";")[0].strip().lower() == "multipart/form-data"
+    return media_type(content_type) == "multipart/form-data"
+
+
+def check_content_type(content_type: str | None) -> None:
+    """415 unless the body says it is JSON (application/json, or a +json type) or multipart/form-data.
+    A web page may post text/plain to any address without asking (no CORS preflight): reading that
+    as JSON would let any site a user visits drive a server on their loopback with auth off."""
+    kind = media_type(content_type)
+    if kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json")):
+        return
+    if kind == "multipart/form-data":
+        return
+    raise ApiError(
+        415,
+        "api_usage_error",
+        f"Content-Type {content_type!r} is not accepted: send JSON as application/json "
+        "(or a request with images as multipart/form-data)"
+        if content_type
+        else "Content-Type is missing: send JSON as application/json (or images as multipart/form-data)",
+    )
 
 
 def _params(header_name: str, value: str) -> email.message.Message:
@@ -315,6 +342,8 @@ def _strings(value: Any, where: str):
 
 
 def _find_references(images: list[Image], state: Any, questions: dict) -> None:
+    """Each image's `references`: the places its placeholder appears, each once, in one pass over the
+    request's strings (a set per image says what is already listed: no scan of the list per string)."""
     sources = [(state, "state")]
     for qid, q in questions.items():
         q = q.model_dump()  # plain data for every question type (a box question has no criteria)
@@ -324,8 +353,10 @@ def _find_references(images: list[Image], state: Any, questions: dict) -> None:
             if isinstance(crit, dict):
                 sources.extend((name, f"questions.{qid}.criteria") for name in crit)
             sources.append((crit, f"questions.{qid}.criteria"))
+    seen: list[set[str]] = [set(img.references) for img in images]
     for value, where in sources:
         for s, w in _strings(value, where):
-            for img in images:
-                if img.alias in s and w not in img.references:
+            for img, listed in zip(images, seen):
+                if w not in listed and img.alias in s:
+                    listed.add(w)
                     img.references.append(w)

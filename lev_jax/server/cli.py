@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import logging
 import sys
 import time
@@ -41,6 +42,26 @@ def uvicorn_config(app, *, host: str, port: int, log_level: str = "info", drain_
         server_header=False,
         timeout_keep_alive=KEEP_ALIVE_S,
     )
+
+
+def exposure_warning(host: str, api_keys) -> str | None:
+    """The warning for a server others can reach with auth off: bound beyond loopback (an address
+    that is not 127.0.0.0/8 or ::1, a wildcard, or a host name other than localhost) without keys."""
+    if api_keys or _loopback(host):
+        return None
+    return (
+        f"serving on {host} with auth off: anyone who can reach this address can use the server; "
+        f"set ${API_KEYS_ENV} or bind to 127.0.0.1"
+    )
+
+
+def _loopback(host: str) -> bool:
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
 
 
 PROG = "lev serve"  # how the installed console script runs this; serve/__main__.py passes its own
@@ -220,6 +241,8 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         engine.platform,
         runtime.compilation_cache_dir() or "off",
     )
+    if warning := exposure_warning(args.host, config.api_keys):
+        log.warning(warning)
     # the shapes traffic compiles are recorded beside the compiled programs, to be warmed next start
     app = create_app(engine, dataclasses.replace(config, shape_log_dir=runtime.compilation_cache_dir()))
     uv = uvicorn_config(

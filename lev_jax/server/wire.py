@@ -8,7 +8,10 @@ Deviations from the official schema, all stricter and all documented in docs/API
 - choice questions take 2..255 options and score questions 2..10 levels (the documented ranges,
   lev_jax.domain.CHOICE_OPTIONS / SCORE_LEVELS);
 - question objects and noul criteria reject unknown fields (a typo such as `instruction` would
-  otherwise be answered silently without the text it meant to send).
+  otherwise be answered silently without the text it meant to send);
+- cheap caps on the request's size (lev_jax.domain's wire limits): questions, assets, string lengths
+  and the characters of the state and of the whole request, so a request the engine could never
+  answer is refused here, before anything is tokenized or decoded.
 
 A validated question goes to the engine as `question.model_dump()`: the wire shape is the engine's
 shape (lev_jax.readout renders structured text and reads noul criteria keyed true/false itself).
@@ -18,14 +21,19 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
+from lev_jax import domain
 from lev_jax.domain import CHOICE_OPTIONS, SCORE_LEVELS
 
-# Text a client may send wherever the API takes "content": a string, a JSON object or an array.
-StructuredText = str | dict[str, Any] | list[Any]
+Text = Annotated[str, StringConstraints(max_length=domain.MAX_TEXT_CHARS)]
+# Text a client may send wherever the API takes "content": a string, a JSON object or an array
+# (a structured value's characters count towards the request's total: SystemOneRequest).
+StructuredText = Text | dict[str, Any] | list[Any]
 
-NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
+NonEmptyStr = Annotated[str, StringConstraints(min_length=1, max_length=domain.MAX_TEXT_CHARS)]
+Id = Annotated[str, StringConstraints(min_length=1, max_length=domain.MAX_ID_CHARS)]
 
 
 class _Strict(BaseModel):
@@ -94,8 +102,10 @@ class Asset(_Strict):
 
     type: Literal["image"] = Field("image", description="Identifies an image asset.")
     format: Literal["png", "jpg", "jpeg"] = Field(None, description="Image format; required with data_base64.")
-    data_base64: str = Field(None, description="Base64-encoded image bytes.")
-    part: NonEmptyStr = Field(None, description="Multipart part holding the raw bytes (then data_base64 is ignored).")
+    data_base64: Annotated[str, StringConstraints(max_length=domain.MAX_ASSET_BASE64_CHARS)] = Field(
+        None, description="Base64-encoded image bytes."
+    )
+    part: Id = Field(None, description="Multipart part holding the raw bytes (then data_base64 is ignored).")
 
     @model_validator(mode="after")
     def _has_data(self) -> Asset:
@@ -104,23 +114,79 @@ class Asset(_Strict):
         return self
 
 
+def text_chars(value: Any, limit: int) -> int:
+    """Characters in the strings (keys too) of a JSON value, counted up to just past `limit`: a walk
+    without recursion that stops as soon as the answer is "too many"."""
+    total, stack = 0, [value]
+    while stack and total <= limit:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, dict):
+            total += sum(len(k) for k in v if isinstance(k, str))
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return total
+
+
+def _too_long(what: str, limit: int) -> PydanticCustomError:
+    return PydanticCustomError(
+        "too_long", "{what} has more than {max_chars} characters in its strings", {"what": what, "max_chars": limit}
+    )
+
+
 class SystemOneRequest(BaseModel):
-    """Unknown top-level fields are ignored."""
+    """Unknown top-level fields are ignored. Limits the schema states per field, and two it cannot:
+    the state's strings hold at most MAX_STATE_CHARS characters, the state's and questions' together
+    at most MAX_REQUEST_CHARS (422 past either)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(
+        extra="ignore",
+        json_schema_extra={
+            "description": f"Unknown top-level fields are ignored. Besides the limits each field states: the "
+            f"strings of `state` (keys included, whatever its form) hold at most {domain.MAX_STATE_CHARS} "
+            f"characters, those of `state` and `questions` together at most {domain.MAX_REQUEST_CHARS} (422)."
+        },
+    )
 
-    model: str = Field(description="Model name: `jev-latest` or a name from GET /v1/models.", examples=["jev-latest"])
-    state: StructuredText = Field(
+    model: Annotated[str, StringConstraints(max_length=domain.MAX_ID_CHARS)] = Field(
+        description="Model name: `jev-latest` or a name from GET /v1/models.", examples=["jev-latest"]
+    )
+    state: Annotated[str, StringConstraints(max_length=domain.MAX_STATE_CHARS)] | dict[str, Any] | list[Any] = Field(
         description="The content every question refers to: a string, an object or an array.",
         examples=["I was charged twice. Please help."],
     )
     questions: Annotated[
-        dict[NonEmptyStr, Question],
-        Field(min_length=1, description="Questions keyed by any non-empty id; answers use the same ids."),
+        dict[Id, Question],
+        Field(
+            min_length=1,
+            max_length=domain.MAX_QUESTIONS,
+            description=f"1 to {domain.MAX_QUESTIONS} questions keyed by any non-empty id; answers use the same ids.",
+        ),
     ]
-    assets: Annotated[dict[NonEmptyStr, Asset], Field(min_length=1)] | None = Field(
-        None, description="Image assets keyed by the placeholder used for them in state, instructions or criteria."
+    assets: Annotated[dict[Id, Asset], Field(min_length=1, max_length=domain.MAX_ASSETS)] | None = Field(
+        None,
+        description=f"Up to {domain.MAX_ASSETS} image assets keyed by the placeholder used for them in state, "
+        "instructions or criteria.",
     )
+
+    @field_validator("state", mode="before")
+    @classmethod
+    def _state_chars(cls, state: Any) -> Any:
+        # before the state is validated (a string's own max_length says the same, located there)
+        if not isinstance(state, str) and text_chars(state, domain.MAX_STATE_CHARS) > domain.MAX_STATE_CHARS:
+            raise _too_long("The state", domain.MAX_STATE_CHARS)
+        return state
+
+    @model_validator(mode="before")
+    @classmethod
+    def _request_chars(cls, doc: Any) -> Any:
+        if isinstance(doc, dict):
+            text = [doc.get("state"), doc.get("questions")]
+            if text_chars(text, domain.MAX_REQUEST_CHARS) > domain.MAX_REQUEST_CHARS:
+                raise _too_long("The request (state and questions)", domain.MAX_REQUEST_CHARS)
+        return doc
 
 
 # ---------------------------------------------------------------- responses (for the OpenAPI document)

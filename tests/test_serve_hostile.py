@@ -1,0 +1,194 @@
+"""Hostile input (issue 45): the cheap checks come first. Caps on the wire (lev_jax.domain, stated in
+the OpenAPI document) refuse oversized requests before the engine sees them; bounded 422s; one
+Content-Encoding; body work off the event loop, so /health answers while a request is parsed;
+placeholder lookup in one pass; a warning when a server is exposed without keys. The engine here
+never plans: every request below is refused (or timed) before it would."""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import zstandard
+
+from lev_jax import domain
+from lev_jax.server import ServerConfig, body, create_app, wire
+from lev_jax.server import errors as E
+from lev_jax.server.cli import exposure_warning
+from lev_jax.server.testing import ThreadServer
+
+PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 64
+NOUL = {"type": "noul", "instructions": "Is the customer asking for money back?"}
+
+
+class NeverPlans:
+    """An engine that fails the test if a request reaches it."""
+
+    model_name = "stub"
+    supports_images = False
+
+    def __init__(self):
+        self.plans = 0
+
+    def plan(self, state, questions, images=None):
+        self.plans += 1
+        raise AssertionError("the engine was asked to plan a request the wire should have refused")
+
+    def predict_many(self, requests, *, with_usage=False):
+        raise AssertionError("nothing is planned, so nothing is predicted")
+
+    def info(self):
+        return {}
+
+
+@pytest.fixture(scope="module")
+def stub():
+    return NeverPlans()
+
+
+@pytest.fixture(scope="module")
+def server(stub):
+    with ThreadServer(create_app(stub, ServerConfig(max_body_bytes=8 << 20))) as s:
+        yield s
+
+
+def request(state="I was charged twice.", questions=None, **extra):
+    return {"model": "jev-latest", "state": state, "questions": questions or {"q": NOUL}, **extra}
+
+
+def post(s, payload, headers=None):
+    data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    h = {"content-type": "application/json", **(headers or {})}
+    return httpx.post(s.url + "/v1/systemone", content=data, headers=h, timeout=60)
+
+
+def refused_422(r, loc_fragment):
+    assert r.status_code == 422, r.text[:2000]
+    detail = r.json()["detail"]
+    assert any(loc_fragment in "/".join(map(str, e["loc"])) + " " + e["msg"] for e in detail), detail
+
+
+def test_caps_refuse_before_the_engine_and_are_in_the_schema(server, stub):
+    big_png = base64.b64encode(PNG).decode()
+    assets = {f"<image:{i}>": {"format": "png", "data_base64": big_png} for i in range(domain.MAX_ASSETS + 1)}
+    refused_422(post(server, request(assets=assets)), "assets")
+    many = {f"q{i}": NOUL for i in range(domain.MAX_QUESTIONS + 1)}
+    refused_422(post(server, request(questions=many)), "questions")
+    refused_422(post(server, request(state="x" * (domain.MAX_STATE_CHARS + 1))), "state")
+    structured = {"ticket": ["y" * 1000] * (domain.MAX_STATE_CHARS // 1000 + 1)}
+    refused_422(post(server, request(state=structured)), "state")
+    long_text = {"type": "noul", "instructions": "z" * (domain.MAX_TEXT_CHARS + 1)}
+    refused_422(post(server, request(questions={"q": long_text})), "instructions")
+    refused_422(post(server, request(questions={"k" * (domain.MAX_ID_CHARS + 1): NOUL})), "questions")
+    # each string within its own cap, the request's text together over the total
+    n = domain.MAX_REQUEST_CHARS // domain.MAX_TEXT_CHARS
+    wide = {f"q{i}": {"type": "noul", "instructions": "w" * domain.MAX_TEXT_CHARS} for i in range(n)}
+    refused_422(post(server, request(questions=wide)), "request")
+    assert stub.plans == 0
+
+    schema = httpx.get(server.url + "/openapi.json").json()["components"]["schemas"]
+    top = schema["SystemOneRequest"]["properties"]
+    assert top["questions"]["maxProperties"] == domain.MAX_QUESTIONS
+    assets_schema = next(a for a in top["assets"]["anyOf"] if a.get("type") == "object")
+    assert assets_schema["maxProperties"] == domain.MAX_ASSETS
+    assert any(a.get("maxLength") == domain.MAX_STATE_CHARS for a in top["state"]["anyOf"])
+    noul = schema["NoulQuestion"]["properties"]["instructions"]
+    assert any(a.get("maxLength") == domain.MAX_TEXT_CHARS for a in noul["anyOf"])
+    assert str(domain.MAX_REQUEST_CHARS) in schema["SystemOneRequest"]["description"]
+
+
+def test_a_422_is_bounded_whatever_the_body(server):
+    """Many invalid questions, each echoing a large input, would come back many times their size."""
+    bad = {f"q{i}": {"type": "noul", "instructions": "i", "typo": "t" * 1000} for i in range(400)}
+    raw = json.dumps(request(questions=bad)).encode()
+    r = post(server, raw)
+    assert r.status_code == 422
+    detail = r.json()["detail"]
+    assert len(detail) == E.MAX_VALIDATION_ERRORS + 1 and detail[-1]["type"] == "too_many_errors"
+    assert "380 more" in detail[-1]["msg"]
+    assert all(e["input"] is None or len(json.dumps(e["input"])) <= E.MAX_ERROR_INPUT_CHARS for e in detail)
+    assert len(r.content) < 10_000 < len(raw)  # not the 400 echoes of 1 KB each
+    assert detail[0]["loc"][:3] == ["body", "questions", "q0"] and detail[0]["type"] == "extra_forbidden"
+
+
+def test_bounded_errors_cut_messages_and_keep_small_inputs():
+    errs = [
+        {"type": "value_error", "loc": ("body", "state"), "msg": "m" * 5000, "input": "small", "ctx": {"e": "c" * 900}}
+    ]
+    (e,) = E.bounded_errors(errs)
+    assert e["input"] == "small" and len(e["msg"]) < E.MAX_ERROR_MSG_CHARS + 50 and len(e["ctx"]["e"]) < 600
+    assert E.bounded_errors([{**errs[0], "input": ["x" * 300]}])[0]["input"] is None
+
+
+def test_one_content_encoding_layer(server):
+    raw = json.dumps(request()).encode()
+    nested = zstandard.ZstdCompressor().compress(gzip.compress(raw))
+    r = post(server, nested, {"content-encoding": "gzip, zstd"})
+    assert r.status_code == 415 and "send one" in r.json()["detail"]["message"]
+    with pytest.raises(E.ApiError) as ei:
+        body.decode_content(nested, "gzip,zstd", 1 << 20)
+    assert ei.value.status == 415
+    assert body.decode_content(gzip.compress(raw), "identity, gzip", 1 << 20) == raw
+
+
+def _health_during(server, monkeypatch, target: str, payload: dict) -> float:
+    """Seconds /health took while `body.<target>` (made slow: 1.5 s of blocking work) ran for a request."""
+    slow = getattr(body, target)
+
+    def blocking(*args, **kwargs):
+        time.sleep(1.5)  # CPU-bound work holds whichever thread runs it, as time.sleep does
+        return slow(*args, **kwargs)
+
+    monkeypatch.setattr(body, target, blocking)
+    attack = threading.Thread(target=post, args=(server, payload))
+    attack.start()
+    time.sleep(0.3)  # the attack request is being worked on
+    t0 = time.perf_counter()
+    assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+    took = time.perf_counter() - t0
+    attack.join()
+    return took
+
+
+def test_health_answers_while_a_small_body_is_parsed(server, monkeypatch):
+    assert _health_during(server, monkeypatch, "parse_json", request(model="unknown")) < 0.5
+
+
+def test_health_answers_while_assets_are_resolved(server, monkeypatch):
+    assets = {"<image:a>": {"format": "png", "data_base64": base64.b64encode(PNG).decode()}}
+    assert _health_during(server, monkeypatch, "resolve_assets", request(state="<image:a>", assets=assets)) < 0.5
+
+
+def test_placeholder_lookup_is_one_pass():
+    """30k strings naming one asset held the event loop 6 s when each was checked against the list of
+    places found so far (quadratic); a set makes it linear."""
+    doc = request(
+        state=["img"] * 40_000, assets={"img": {"format": "png", "data_base64": base64.b64encode(PNG).decode()}}
+    )
+    req = wire.SystemOneRequest.model_validate(doc)
+    t0 = time.perf_counter()
+    (image,) = body.resolve_assets(req.assets, None, req.state, req.questions)
+    assert time.perf_counter() - t0 < 2.0
+    assert len(image.references) == 40_000 and len(set(image.references)) == 40_000
+
+
+def test_a_request_after_the_attacks_is_still_answered(server, stub):
+    r = post(server, request(model="unknown"))
+    assert r.status_code == 400 and "Unknown model" in r.json()["detail"]["message"]
+    assert httpx.get(server.url + "/health").json()["in_flight"] == 0 and stub.plans == 0
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"])
+def test_no_warning_on_loopback(host):
+    assert exposure_warning(host, frozenset()) is None
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.168.1.7", "example.com"])
+def test_a_warning_when_exposed_without_keys(host):
+    assert "auth off" in exposure_warning(host, frozenset())
+    assert exposure_warning(host, frozenset({"k"})) is None

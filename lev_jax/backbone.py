@@ -317,9 +317,10 @@ def _load_gguf(path, dtype: str) -> Backbone:
     ckpt = gguf.read_gguf(path)
     cfg = models.config_from_hf(ckpt.hf_config)
     abstract = models.abstract_params(cfg, dtype)
+    view = models.layer_tree(cfg, dtype)  # the tensors come layer by layer (name_map.assemble)
 
     def cast(p, arr):
-        leaf = abstract
+        leaf = view
         for key in p:
             leaf = leaf[key]
         return jnp.asarray(arr, dtype=leaf.dtype)

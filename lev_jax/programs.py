@@ -37,6 +37,7 @@ programs (these and JAX's own; they are loaded or compiled again on demand) befo
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import gc
@@ -170,11 +171,73 @@ def is_dry() -> bool:
     return getattr(_local, "dry", False)
 
 
+# -- priority: requests before background work ------------------------------------------------------
+# A server warms its programs in a background thread while it already answers. On a machine with a
+# few cores a request whose programs the warm-up has not reached would queue behind the warm-up's
+# compiles (each takes the cores XLA has); instead, while any request is in flight, a background
+# thread waits before each of its program calls and compiles, and goes on when none is.
+_foreground = 0
+_foreground_cond = threading.Condition()
+BACKGROUND_POLL_S = 0.05  # how often a waiting background thread looks again (a lost wakeup costs this)
+
+
+@contextlib.contextmanager
+def foreground():
+    """Work for a request: background threads (`background`) yield to it at their next program call."""
+    global _foreground
+    with _foreground_cond:
+        _foreground += 1
+    try:
+        yield
+    finally:
+        with _foreground_cond:
+            _foreground -= 1
+            _foreground_cond.notify_all()
+
+
+@contextlib.contextmanager
+def background():
+    """In this thread, every program call and compile first waits until no request is in flight."""
+    before = getattr(_local, "background", False)
+    _local.background = True
+    try:
+        yield
+    finally:
+        _local.background = before
+
+
+def yield_to_requests() -> float:
+    """Wait (a background thread only) while a request is in flight; returns the seconds waited."""
+    if not getattr(_local, "background", False):
+        return 0.0
+    t0 = time.perf_counter()
+    with _foreground_cond:
+        while _foreground > 0:
+            _foreground_cond.wait(BACKGROUND_POLL_S)
+    return time.perf_counter() - t0
+
+
 def stats() -> dict:
     """Executables compiled, loaded from the store and found in JAX's own cache in this process, and
-    calls answered dry."""
+    calls answered dry; the seconds they took in all, and the most recent ones each (`builds`: the
+    program's name, compiled or loaded, seconds; a signature counts once)."""
     with _stats_lock:
-        return dict(_stats)
+        return {
+            **_stats,
+            "build_seconds": round(_build_seconds[0], 3),
+            "builds": [{"program": n, "how": h, "seconds": round(s, 3)} for n, h, s in _builds],
+        }
+
+
+BUILDS_KEPT = 128  # per-program build times kept for /health (the most recent)
+_builds: collections.deque = collections.deque(maxlen=BUILDS_KEPT)
+_build_seconds = [0.0]
+
+
+def _log_build(name: str, how: str, seconds: float) -> None:
+    with _stats_lock:
+        _builds.append((name, how, seconds))
+        _build_seconds[0] += seconds
 
 
 def _count(what: str) -> None:
@@ -369,6 +432,7 @@ class Program:
         leaves, tree = jax.tree.flatten(dynamic)
         if any(isinstance(x, jax.core.Tracer) for x in leaves):  # called inside another trace (jit, grad)
             return self.jitted(*args, **kwargs)
+        yield_to_requests()
         key = (tree, tuple(arguments[k] for k in self.static), tuple(map(_aval, leaves)))
         exe = self.executables.get(key)
         if exe is None:
@@ -386,8 +450,11 @@ class Program:
         with lock:  # one thread compiles a signature; another asking for it waits for that one
             exe = self.executables.get(key)
             if exe is None:
+                t0 = time.perf_counter()
                 exe = self._load(key)
+                how = "loaded"
                 if exe is None:
+                    how = "compiled"
                     _listen()
                     _local.compiling, _local.jax_cache_hit = True, False
                     try:
@@ -402,6 +469,7 @@ class Program:
                     else:
                         _count("compiled")
                         self._save(key, exe)
+                _log_build(self.fun.__name__.strip("_"), how, time.perf_counter() - t0)
                 self.executables[key] = exe
         with self._lock:
             self._compiling.pop(key, None)

@@ -89,7 +89,7 @@ def save_tiny_checkpoint(directory, seed: int = 0) -> Path:
     bb = tiny_backbone("llama", seed=seed)
     p = bb.params
     tensors = {"model.embed_tokens.weight": p["embed_tokens"]["embedding"], "model.norm.weight": p["norm"]["weight"]}
-    for i, layer in p["layers"].items():
+    for i, layer in models.layer_view(p)["layers"].items():
         pre = f"model.layers.{i}."
         tensors[pre + "input_layernorm.weight"] = layer["input_layernorm"]["weight"]
         tensors[pre + "post_attention_layernorm.weight"] = layer["post_attention_layernorm"]["weight"]

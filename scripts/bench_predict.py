@@ -16,12 +16,15 @@ question) and the same label logits:
 All transformers calls use logits_to_keep=1 (the head only at the last position), their fastest form.
 Prints ms per request, speedups against the fastest transformers method, the marginal cost of a
 question relative to the state, and predict()'s achieved GFLOP/s next to the measured matmul ceiling.
+`--unrolled` also times predict() (cold) with every decoder layer unrolled in its programs
+(`scan_unroll` = the layer count, what a Python layer loop compiles) beside the default scan.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import time
 
 import jax
@@ -141,12 +144,20 @@ def main(argv=None):
     ap.add_argument("--ns", default="1,2,4,8,16,32")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtypes", default="float32,bfloat16", help="weight dtypes, for predict() and transformers alike")
+    ap.add_argument("--unrolled", action="store_true", help="also time predict() with the layers unrolled")
     args = ap.parse_args(argv)
     ns = [int(x) for x in args.ns.split(",")]
     dtypes = args.dtypes.split(",")
 
     engines = {d: lev_jax.load(base_only=True, calibration=None, dtype=d) for d in dtypes}
     colds = {d: lev_jax.Engine(e.backbone, prefix_cache_bytes=0) for d, e in engines.items()}
+    unrolled = {}
+    if args.unrolled:
+        for d, e in engines.items():
+            bb = e.backbone
+            cfg = dataclasses.replace(bb.config, scan_unroll=bb.config.num_hidden_layers)
+            flat = lev_jax.Backbone(cfg, bb.params, bb.tokenizer, name=bb.name, hf_config=bb.hf_config)
+            unrolled[d] = lev_jax.Engine(flat, prefix_cache_bytes=0)
     base = transformers_gguf_model(embedded_default_path())
     refs = {d: Torch(base if d == "float32" else copy.deepcopy(base).to(getattr(torch, d))) for d in dtypes}
     print(
@@ -190,6 +201,13 @@ def main(argv=None):
                 f" max |dlogit| vs transformers {dtypes[0]} {diff:.1e}",
                 flush=True,
             )
+            if d in unrolled:
+                t_flat = best_ms(lambda d=d: unrolled[d].predict(STATE, qs), args.repeats)
+                print(
+                    f"      predict {d:8s} cold {t_flat:8.1f} ms with the layers unrolled | vs fastest overall: "
+                    f"{t_ref[fastest] / t_flat:5.2f}x | scan / unrolled time {t_pred / t_flat:5.3f}",
+                    flush=True,
+                )
     ceiling = {d: max(matmul_ceiling([(512, 576, 1536), (2048, 2048, 2048)], 5, dtype=d).values()) for d in dtypes}
     print("matmul ceiling measured in this run: " + ", ".join(f"{d} {c:.1f} GFLOP/s" for d, c in ceiling.items()))
     for d, by_n in cold_ms.items():

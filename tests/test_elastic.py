@@ -53,7 +53,9 @@ def truncated(hf, params, d):
     if "layer_types" in hf:
         small["layer_types"] = hf["layer_types"][:d]
     cfg = models.config_from_hf(small)
-    return cfg, {**params, "layers": {i: params["layers"][i] for i in range(d)}}
+    view = models.layer_view(params)
+    view["layers"] = {i: view["layers"][i] for i in range(d)}
+    return cfg, models.stacked_view(view, cfg)
 
 
 def reference(hf, params, adapters, d, prefix, rows, valid, answer, labels):
@@ -77,7 +79,7 @@ def test_exit_is_a_truncated_model_plus_adapter_and_head(model, d):
     hf, cfg, params, adapters = model
     prefix, pvalid, rows, valid, answer, labels = batch()
     pre = ex.prefill(params, prefix, pvalid, cfg, d)
-    assert len(pre.cache["layers"]) == d  # nothing deeper is computed or cached
+    assert models.cache_depth(pre.cache) == d  # nothing deeper is computed or cached
     got = ex.read(params, adapters, pre, rows, valid, answer, labels, cfg, d)
     want = reference(hf, params, adapters, d, prefix, rows, valid, answer, labels)
     np.testing.assert_allclose(np.asarray(got.logits_BC), want, atol=1e-5, rtol=1e-5)
@@ -103,7 +105,7 @@ def test_cascade_equals_a_direct_deeper_readout(model, d1, d2):
     shallow = ex.prefill(params, prefix, pvalid, cfg, d1)
     first = ex.read(params, adapters, shallow, rows, valid, answer, labels, cfg, d1)
     deeper = ex.deepen(params, shallow, cfg, d2)
-    assert len(deeper.cache["layers"]) == d2
+    assert models.cache_depth(deeper.cache) == d2
     cascaded = ex.read(params, adapters, deeper, rows, valid, answer, labels, cfg, d2, start=d1, rows=first)
     direct = ex.read(
         params, adapters, ex.prefill(params, prefix, pvalid, cfg, d2), rows, valid, answer, labels, cfg, d2

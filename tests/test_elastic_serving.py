@@ -70,13 +70,15 @@ def test_a_view_at_an_exit_is_the_truncated_model_plus_adapter_and_head(family):
     ids = np.random.default_rng(0).integers(1, 5000, (1, 13))
     for d in (1, 3):
         view = bb.at_depth(d)
-        assert view.depth == d and len(view.params["layers"]) == d
-        assert len(models.init_cache(view.config, 1, 8)["layers"]) == d  # its cache holds d layers
+        assert view.depth == d and models.num_layers(view.config) == d
+        assert models.cache_depth(models.init_cache(view.config, 1, 8)) == d  # its cache holds d layers
         small = {**bb.hf_config, "num_hidden_layers": d}
         if "layer_types" in small:
             small["layer_types"] = small["layer_types"][:d]
         cfg = models.config_from_hf(small)
-        params = {**bb.params, "layers": {i: bb.params["layers"][i] for i in range(d)}}
+        per_layer = models.layer_view(bb.params)
+        per_layer["layers"] = {i: per_layer["layers"][i] for i in range(d)}
+        params = models.stacked_view(per_layer, cfg)
         x, _ = models.forward(params, jnp.asarray(ids), None, cfg, final_norm=False)
         x = exits_lib.apply_exit(bb.exits[str(d)], x[:, -1])
         want = models.head_logits(params, models.final_norm(params, x, cfg) * bb.exits[str(d)]["gain"], cfg)
@@ -99,7 +101,7 @@ def test_predict_at_an_exit_equals_its_reference_and_differs_from_full_depth(eng
         assert gap > 1e-3  # a shallower model answers differently: the depth is really used
     # the exit's prefix cache holds d layers only
     [(cache, _, _)] = list(engine.executor_at(2).prefixes.values())
-    assert len(cache["layers"]) == 2
+    assert models.cache_depth(cache) == 2
 
 
 def test_auto_stops_each_question_at_the_first_sure_exit(engine):

@@ -10,7 +10,7 @@ from safetensors.numpy import load_file, save_file
 
 import hf_reference as R
 import lev_jax
-from lev_jax import CheckpointError
+from lev_jax import CheckpointError, models
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def test_sharded_checkpoint_equals_single_file(saved, tmp_path):
 
 def test_bfloat16_cast_keeps_decay_parameters_in_fp32(saved):
     bb = lev_jax.load_backbone(str(saved), dtype="bfloat16")
-    layer0 = bb.params["layers"][0]["linear_attn"]
+    layer0 = models.layer_view(bb.params)["layers"][0]["linear_attn"]
     assert layer0["in_proj_qkv"]["kernel"].dtype == jnp.bfloat16
     assert layer0["A_log"].dtype == jnp.float32 and layer0["dt_bias"].dtype == jnp.float32
     ids = np.arange(20)[None]

@@ -64,14 +64,16 @@ def _assert_grads_close(got, want, atol, what):
 REMAT_PRIMITIVE = jax.make_jaxpr(jax.checkpoint(jnp.sin))(1.0).jaxpr.eqns[0].primitive
 
 
-def _remat_policies_in(jaxpr):
-    """The policy of every jax.checkpoint in a jaxpr (nested jaxprs included), in order."""
+def _remat_policies_in(jaxpr, *, as_run: bool = True):
+    """The policy of every jax.checkpoint in a jaxpr (nested jaxprs included), in order: as run (a
+    scan's body counted once per step) or as written (once)."""
     found = []
     for eqn in jaxpr.eqns:
         if eqn.primitive is REMAT_PRIMITIVE:
             found.append(eqn.params["policy"])
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            found += _remat_policies_in(sub)
+            inner = _remat_policies_in(sub, as_run=as_run)
+            found += inner * (eqn.params["length"] if as_run and eqn.primitive.name == "scan" else 1)
     return found
 
 
@@ -87,9 +89,12 @@ def test_remat_policies_give_the_same_gradients_and_checkpoint_each_layer(tiny):
     assert float(jnp.abs(grads["none"]["embed_tokens"]["embedding"]).max()) > 1e-4  # a real gradient
     for name, policy in models.REMAT_POLICIES.items():
         _assert_grads_close(grads[name], grads["none"], 1e-6, f"remat={name}")
-        # and the policy really is applied: one checkpoint per decoder layer, none without remat
-        found = _remat_policies_in(jax.make_jaxpr(loss, static_argnums=1)(params, name).jaxpr)
-        assert found == ([] if policy is None else [policy] * cfg.num_hidden_layers), name
+        # and the policy really is applied: one checkpoint per decoder layer run, none without remat;
+        # written once per layer of the scanned period (models.scan), not once per layer
+        jaxpr = jax.make_jaxpr(loss, static_argnums=1)(params, name).jaxpr
+        assert _remat_policies_in(jaxpr) == ([] if policy is None else [policy] * cfg.num_hidden_layers), name
+        written = _remat_policies_in(jaxpr, as_run=False)
+        assert written == ([] if policy is None else [policy] * models.layer_period(cfg)), name
     assert set(models.REMAT_POLICIES) == {"none", "full", "dots"}
     assert models.REMAT_POLICIES["dots"] is jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 

@@ -74,6 +74,11 @@ def test_a_program_is_stored_and_loaded_back_without_compiling():
     after = programs.stats()
     assert after["compiled"] == mid["compiled"]  # every program came from the store
     assert after["loaded"] - mid["loaded"] == compiled
+    # each build is logged with its time (/health shows them): the first request's compiles, then loads
+    names = {b["program"] for b in after["builds"][-compiled:]}
+    assert {b["how"] for b in after["builds"][-compiled:]} == {"loaded"} and {"extend", "read_rows"} <= names
+    assert [b["how"] for b in mid["builds"][-compiled:]] == ["compiled"] * compiled
+    assert after["build_seconds"] > mid["build_seconds"] > 0
     np.testing.assert_allclose(_probs(again), _probs(first), atol=1e-6)
 
 
@@ -308,3 +313,34 @@ def test_runtime_creates_private_directories_and_judges_them(tmp_path):
     assert "writable by other users" in runtime.untrusted(made)
     os.chmod(made, 0o755)
     assert runtime.untrusted(made) is None and "accessible" in runtime.untrusted(made, secret=True)
+
+
+# -- priority: requests before background work -----------------------------------------------------
+
+
+@programs.program()
+def _plus_one(x):
+    return x + 1
+
+
+def test_background_work_waits_while_a_request_is_in_flight():
+    """A warm-up thread (programs.background) makes no program call while a request is in flight
+    (programs.foreground), and goes on as soon as none is; a request's own calls never wait."""
+    done, started = [], threading.Event()
+
+    def warmup():
+        with programs.background():
+            started.set()
+            done.append(float(_plus_one(jnp.ones(()))))
+
+    with programs.foreground():
+        assert float(_plus_one(jnp.zeros(()))) == 1.0  # the request's own call runs at once
+        t = threading.Thread(target=warmup)
+        t.start()
+        assert started.wait(5)
+        t.join(0.5)
+        assert t.is_alive() and done == []  # held back while the request is in flight
+    t.join(10)
+    assert done == [2.0]
+    with programs.background():  # no request in flight: no wait
+        assert programs.yield_to_requests() < 0.5

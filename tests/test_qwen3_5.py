@@ -75,7 +75,7 @@ def test_bfloat16_weights_keep_the_delicate_parts_fp32(pair):
     # bf16 run, and no outlier beyond twice its worst
     assert err.mean() <= err_theirs.mean() and err.max() <= 2 * err_theirs.max()
     cache = bb16.prefill(ids[:1, :40])
-    for layer in cache["layers"]:
+    for layer in cache["blocks"].values():  # the layer stacks (models.stack)
         if "state" in layer:
             assert layer["state"].dtype == jnp.float32 and layer["conv"].dtype == jnp.float32
         else:

@@ -12,6 +12,7 @@ import torch
 import hf_reference as R
 import lev_jax
 from lev_jax import models
+from lev_jax.models import stack
 from lev_jax.training import lora
 
 peft = pytest.importorskip("peft")
@@ -101,12 +102,17 @@ def test_merged_weights_give_the_logits_of_base_plus_adapter(pair, adapter):
     np.testing.assert_allclose(trained, peft_logits, atol=1e-4, rtol=0)
     np.testing.assert_allclose(trained, ours, atol=1e-4, rtol=0)
     # and it really is the unmerged path: the kernels are the base's, the adapter sits beside them
-    applied = lora.flatten(lora.apply(bb.params, adapter, scale))
+    # (in the layer stacks, models.stack: layer i is entry i // P of stack i % P)
+    applied = lora.apply(bb.params, adapter, scale)
     p0 = next(iter(adapter))
-    assert applied[p0] is lora.flatten(bb.params)[p0]
-    np.testing.assert_array_equal(
-        np.asarray(applied[p0.replace("kernel", "lora_b")]), scale * np.asarray(adapter[p0]["b"])
-    )
+    i, rest = stack.layer_path(p0)
+    P = len(bb.params["blocks"])
+    got, base = applied["blocks"][i % P], bb.params["blocks"][i % P]
+    for key in rest.removesuffix(".kernel").split("."):
+        got, base = got[key], base[key]
+    assert got["kernel"] is base["kernel"]
+    n, m = base["kernel"].shape[0], got["lora_b"].shape[0]
+    np.testing.assert_array_equal(np.asarray(got["lora_b"][i // P - (n - m)]), scale * np.asarray(adapter[p0]["b"]))
 
 
 def test_bfloat16_base_merges_in_fp32_then_casts(pair, adapter):

@@ -13,6 +13,7 @@ import dataclasses
 import jax
 
 from lev_jax import models, programs
+from lev_jax.models import cache as cache_lib
 from lev_jax.readout.logits import rows_exit_logits
 
 
@@ -65,7 +66,7 @@ def deepen(params, prefix: Prefix, cfg, depth: int) -> Prefix:
         layer_range=(prefix.depth, depth),
         final_norm=False,
     )
-    cache = {**prefix.cache, "layers": tuple(prefix.cache["layers"]) + tuple(upper["layers"])}
+    cache = cache_lib.stack_on(prefix.cache, upper)
     return Prefix(cache, resid, prefix.tokens_BS, prefix.valid_BS, depth)
 
 
@@ -77,7 +78,7 @@ def truncated(prefix: Prefix, depth: int) -> Prefix:
         raise ValueError(f"the prefix is computed to depth {prefix.depth}; reading at {depth} needs deepen first")
     if prefix.depth == depth:
         return prefix
-    cache = {**prefix.cache, "layers": tuple(prefix.cache["layers"])[:depth]}
+    cache = cache_lib.truncate(prefix.cache, depth)
     return Prefix(cache, prefix.resid_BSE, prefix.tokens_BS, prefix.valid_BS, depth)
 
 

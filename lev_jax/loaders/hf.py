@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from lev_jax.errors import CheckpointError
 from lev_jax.loaders import name_map
+from lev_jax.models import stack
 
 
 def resolve_dir(path_or_hub_id: str) -> Path:
@@ -85,7 +86,8 @@ def iter_tensors(files):
 
 def load_params(ckpt_dir: Path, cfg, abstract: dict, *, source: str | None = None) -> dict:
     """Stream every shard into the parameter tree of `cfg`, cast to the tree's dtypes."""
-    cast = lambda path, arr: jnp.asarray(arr, dtype=_at(abstract, path).dtype)
+    view = stack.layer_view(abstract)  # the tensors come layer by layer (name_map.assemble)
+    cast = lambda path, arr: jnp.asarray(arr, dtype=_at(view, path).dtype)
     return name_map.assemble(
         iter_tensors(shard_files(ckpt_dir)),
         abstract,

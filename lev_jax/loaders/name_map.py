@@ -14,6 +14,7 @@ import re
 import numpy as np
 
 from lev_jax.errors import CheckpointError
+from lev_jax.models import stack
 
 # Longest first: the VL checkpoint nests the text model under model.language_model.
 PREFIXES = ("model.language_model.", "language_model.model.", "model.", "")
@@ -80,10 +81,13 @@ def check_complete(source: str, missing, unexpected, misshaped) -> None:
 def assemble(named_tensors, abstract, cast, *, tied: bool, source: str):
     """Fill the abstract parameter tree from (hf_name, array) pairs.
 
-    `cast(path, array)` converts a host array to the stored dtype. Collects every problem (missing,
-    unexpected, mis-shaped) and raises one CheckpointError naming them all.
+    The checkpoint names one tensor per layer: the tree is filled in its per-layer view
+    (models.stack.layer_view) and its layers stacked once at the end. `cast(path, array)` converts
+    a host array to the stored dtype (`path` in the per-layer view). Collects every problem
+    (missing, unexpected, mis-shaped) and raises one CheckpointError naming them all.
     """
-    expected = dict(_leaf_paths(abstract))
+    period = len(abstract[stack.BLOCKS])
+    expected = dict(_leaf_paths(stack.layer_view(abstract)))
     filled, unexpected, misshaped = {}, [], []
     for name, arr in named_tensors:
         if IGNORED.search(name):
@@ -109,4 +113,4 @@ def assemble(named_tensors, abstract, cast, *, tied: bool, source: str):
         for key in path[:-1]:
             node = node.setdefault(key, {})
         node[path[-1]] = value
-    return params
+    return stack.stacked_view(params, period)

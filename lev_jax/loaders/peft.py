@@ -118,7 +118,7 @@ def read(adapter_dir, base_params: dict, hf_config: dict) -> tuple[dict, float]:
         problems.append(f"r={r}")
     scale = alpha / (np.sqrt(r) if cfg.get("use_rslora") else r) if r > 0 else 0.0
 
-    kernels = lora.flatten(base_params)
+    kernels = lora.shapes(base_params)
     prefix = module_prefix(hf_config)
     pairs: dict[str, dict] = {}
     try:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lev_jax.models import cache as cache_lib
+from lev_jax.models import stack
 from lev_jax.models.base import REMAT_POLICIES  # noqa: F401
 from lev_jax.models.context import CacheWrite, Context  # noqa: F401
 from lev_jax.models.layers import exit_params
@@ -40,46 +41,39 @@ def config_from_hf(d: dict):
 
 
 @functools.cache
-def graph(cfg, dtype: str = "float32", lora: tuple[tuple[str, int], ...] = ()):
-    """(graphdef, abstract params) for a config, without allocating any weights. `lora`: (dotted
-    module path, rank) of the linear layers that carry adapter slots (`layers.Dense.add_lora`)."""
+def graph(cfg, dtype: str = "float32"):
+    """(graphdef of the shell, abstract params) for a config, without allocating any weights. The
+    shell is everything but the decoder layers (embeddings, final norm, head, exit map); the
+    layers are stacks under params["blocks"] (models.stack), run by `CausalLM.__call__`."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: cfg.model(dtype=jnp.dtype(dtype))))
+    params = state.to_pure_dict()
+    P = layer_period(cfg)
+    layers = {}
+    for kind in sorted(set(cfg.layer_types)):
+        one = nnx.split(nnx.eval_shape(lambda kind=kind: cfg.layer_module(kind, jnp.dtype(dtype))))[1].to_pure_dict()
+        layers[kind] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), one)
+    params[stack.BLOCKS] = stack.stack_layers({i: layers[kind] for i, kind in enumerate(cfg.layer_types)}, P)
+    return graphdef, dict(sorted(params.items()))  # the order every walk over the tree sees
 
-    def build():
-        model = cfg.model(dtype=jnp.dtype(dtype))
-        for path, rank in lora:
-            module = model
-            for part in path.split("."):
-                module = module[int(part)] if part.isdigit() else getattr(module, part)
-            module.add_lora(rank)
-        return model
 
-    graphdef, state = nnx.split(nnx.eval_shape(build))
-    return graphdef, state.to_pure_dict()
+def cache_row_axes(cache):
+    """The row axis of every leaf of a cache (models.cache.row_axes)."""
+    return cache_lib.row_axes(cache)
+
+
+def layer_period(cfg) -> int:
+    """How many layers one scan step runs (models.stack)."""
+    return stack.period(cfg.layer_types)
 
 
 def params_dtype(params) -> str:
     return str(params["embed_tokens"]["embedding"].dtype)
 
 
-def lora_slots(params) -> tuple[tuple[str, int], ...]:
-    """(module path, rank) of every linear layer in `params` that carries adapter weights."""
-    out = []
-
-    def walk(node, prefix):
-        if not isinstance(node, dict):
-            return
-        if "lora_a" in node:
-            out.append((".".join(prefix), int(node["lora_a"].shape[1])))
-        for k, v in node.items():
-            walk(v, prefix + [str(k)])
-
-    walk(params, [])
-    return tuple(sorted(out))
-
-
 def bind(params, cfg):
-    graphdef, _ = graph(cfg, params_dtype(params), lora_slots(params))
-    return nnx.merge(graphdef, params)
+    """The shell module (params without the layer stacks) of `cfg`."""
+    graphdef, _ = graph(cfg, params_dtype(params))
+    return nnx.merge(graphdef, {k: v for k, v in params.items() if k != stack.BLOCKS})
 
 
 def forward(
@@ -107,6 +101,7 @@ def forward(
     `layer_range` / `hidden_BTE` / `final_norm`: run a slice of the layers (elastic depth,
     CausalLM.__call__)."""
     return bind(params, cfg)(
+        params[stack.BLOCKS],
         tokens_BT,
         cache,
         valid_BT,
@@ -141,12 +136,9 @@ def exit_view(params, cfg, depth: int, adapter=None):
         return params, cfg
     if adapter is None:
         raise ValueError(f"no exit adapter for depth {depth}")
-    changes = {"num_hidden_layers": depth, "exit_rank": int(adapter["a"].shape[-1])}
-    if hasattr(cfg, "layer_types"):
-        changes["layer_types"] = tuple(cfg.layer_types[:depth])
-    view = {k: v for k, v in params.items() if k != "layers"}
-    view["layers"] = {i: params["layers"][i] for i in range(depth)}
-    view["exit"] = exit_params(adapter)
+    # the stacks stay whole (no copy): a call runs the config's first `depth` layers of them
+    changes = {"num_hidden_layers": depth, "exit_rank": int(adapter["a"].shape[-1]), "depth_of": L}
+    view = {**params, "exit": exit_params(adapter)}
     return view, dataclasses.replace(cfg, **changes)
 
 
@@ -165,14 +157,38 @@ def label_logits(params, hidden_BE, ids_BC, cfg):
 
 
 def init_cache(cfg, batch: int, slots: int, dtype="float32"):
-    return cache_lib.empty_cache(batch, slots, cfg.layer_cache(batch, slots, jnp.dtype(dtype)))
+    per_layer = cfg.layer_cache(batch, slots, jnp.dtype(dtype))
+    return cache_lib.empty_cache(batch, slots, stack.stack_layers(dict(enumerate(per_layer)), layer_period(cfg)))
+
+
+layer_view = stack.layer_view  # params in the per-layer view of the on-disk formats
+
+
+def stacked_view(params_per_layer, cfg):
+    """Params in the per-layer view (`layer_view`) with their layers stacked for `cfg`."""
+    return stack.stacked_view(params_per_layer, layer_period(cfg))
+
+
+def cache_depth(cache) -> int:
+    """How many layers a cache holds."""
+    return stack.depth(cache[stack.BLOCKS])
+
+
+def layer_tree(cfg, dtype="float32") -> dict:
+    """The abstract params in the per-layer view of the on-disk formats (models.stack.layer_view)."""
+    return stack.layer_view(abstract_params(cfg, dtype))
 
 
 def random_params(cfg, dtype="float32", seed: int = 0, init_std: float = 0.02):
     """Random weights the way HF initialises a fresh model: normal(0, init_std) matrices and
     embeddings, the modules' own norm inits, A_log = log U(1, 16), a kaiming-sized depthwise conv.
-    Tiny random models for tests and demos."""
-    params = nnx.split(cfg.model(dtype=jnp.dtype(dtype), rngs=nnx.Rngs(seed)))[1].to_pure_dict()
+    Tiny random models for tests and demos. Drawn layer by layer (the per-layer view), so a seed
+    gives the same weights whatever the layout."""
+    shell = nnx.split(cfg.model(dtype=jnp.dtype(dtype), rngs=nnx.Rngs(seed)))[1].to_pure_dict()
+    kinds = {
+        kind: nnx.split(cfg.layer_module(kind, jnp.dtype(dtype)))[1].to_pure_dict() for kind in set(cfg.layer_types)
+    }
+    params = {**shell, "layers": {i: kinds[kind] for i, kind in enumerate(cfg.layer_types)}}
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
     out = []
@@ -185,7 +201,7 @@ def random_params(cfg, dtype="float32", seed: int = 0, init_std: float = 0.02):
         elif name == "A_log":
             leaf = jnp.log(jax.random.uniform(key, leaf.shape, jnp.float32, 1.0, 16.0))
         out.append(leaf.astype(jnp.float32 if name in ("A_log", "dt_bias") else dtype))
-    return jax.tree_util.tree_unflatten(treedef, out)
+    return stack.stacked_view(jax.tree_util.tree_unflatten(treedef, out), layer_period(cfg))
 
 
 def abstract_params(cfg, dtype="float32"):
@@ -194,5 +210,13 @@ def abstract_params(cfg, dtype="float32"):
 
 def cast_params(params, cfg, dtype):
     """The same weights in another dtype, leaf by leaf as the model declares them (A_log and
-    dt_bias stay fp32 in every dtype)."""
-    return jax.tree.map(lambda x, a: jnp.asarray(x, a.dtype), params, abstract_params(cfg, dtype))
+    dt_bias stay fp32 in every dtype). `cfg` may be an exit view's: the stacks are the full model's."""
+    return jax.tree.map(lambda x, a: jnp.asarray(x, a.dtype), params, abstract_params(full_config(cfg), dtype))
+
+
+def full_config(cfg):
+    """The config of the whole model an exit view (`exit_view`) was cut from."""
+    if not getattr(cfg, "depth_of", 0):
+        return cfg
+    changes = {"num_hidden_layers": cfg.depth_of, "exit_rank": 0, "depth_of": 0}
+    return dataclasses.replace(cfg, **changes)

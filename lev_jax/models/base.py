@@ -1,11 +1,15 @@
 """The decoder-only LM shell every backbone shares: embed -> layers -> final norm -> (head on demand).
 
-Subclasses build `self.layers` (an nnx.List of layers with the call signature
-`layer(x, ctx: Context, layer_cache) -> (x, new_layer_cache)`) and say how big the rotary slice is.
+Subclasses say how big the rotary slice is; their config builds one decoder layer of a kind
+(`cfg.layer_module(kind, dtype)`, called as `layer(x, ctx: Context, layer_cache) -> (x, new_layer_cache)`).
+The layers are not children of the shell: their weights are stacks (models.stack) that the call
+takes as its first argument and runs under `jax.lax.scan` (models.scan), each step merging one
+layer's slice into that layer's graph.
 """
 
 from __future__ import annotations
 
+import functools
 import types
 
 import jax
@@ -13,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lev_jax.models import cache as cache_lib
+from lev_jax.models import scan, stack
 from lev_jax.models.context import CacheWrite, Context
 from lev_jax.models.layers import ExitMap, dense, rope_cos_sin
 
@@ -36,18 +41,28 @@ def remat_policy(name: str):
     return REMAT_POLICIES[name]
 
 
-def _call_layer(layer, x, ctx: Context, layer_cache, policy):
-    """`layer(x, ctx, layer_cache)`, rematerialised under `policy` unless it is None. The layer is
-    split into (graph, state) so that jax.checkpoint sees a pure function of arrays; its weights,
-    the context's arrays and the cache are the checkpoint's inputs, and only they are kept."""
-    if policy is None:
-        return layer(x, ctx, layer_cache)
-    graphdef, state = nnx.split(layer)
+def _layer_dtype(blocks) -> str:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(blocks)[0]:
+        if getattr(path[-1], "key", None) == "kernel":
+            return str(leaf.dtype)
+    return "float32"
 
-    def run(state, x, ctx, layer_cache):
-        return nnx.merge(graphdef, state)(x, ctx, layer_cache)
 
-    return jax.checkpoint(run, policy=policy)(state, x, ctx, layer_cache)
+@functools.cache
+def _layer_graph(cfg, dtype: str, kind: str, lora: tuple[tuple[str, int], ...] = ()):
+    """The graph of one decoder layer of `kind` (its weights come per step from the stacks), with
+    adapter slots on the `lora` (module path, rank) pairs (`layers.Dense.add_lora`)."""
+
+    def build():
+        layer = cfg.layer_module(kind, jnp.dtype(dtype))
+        for path, rank in lora:
+            module = layer
+            for part in path.split("."):
+                module = getattr(module, part)
+            module.add_lora(rank)
+        return layer
+
+    return nnx.split(nnx.eval_shape(build))[0]
 
 
 class CausalLM(nnx.Module):
@@ -55,6 +70,7 @@ class CausalLM(nnx.Module):
     rope_theta: float
 
     def _init_shell(self, cfg, norm, *, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg  # static: the layer stacks are built from it (`layer_graph`)
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
         self.norm = norm
         if not cfg.tie_word_embeddings:
@@ -67,6 +83,7 @@ class CausalLM(nnx.Module):
 
     def __call__(
         self,
+        blocks,
         tokens_BT,
         cache=None,
         valid_BT=None,
@@ -81,7 +98,8 @@ class CausalLM(nnx.Module):
         layer_range: tuple[int, int] | None = None,
         final_norm: bool = True,
     ):
-        """Run T new tokens after `cache` (None: no context). Returns (hidden, new_cache) where hidden
+        """Run T new tokens after `cache` (None: no context) through the layer stacks `blocks`
+        (models.stack: params["blocks"]). Returns (hidden, new_cache) where hidden
         is the final-normed state at `readout_BR` ([B, R, E], indices into the T new tokens) or at
         every new token ([B, T, E]), and new_cache is as `cache_write` asks (CacheWrite): the cache
         extended by the new slots (APPEND), None (NONE: a readout over a shared prefix never needs
@@ -102,19 +120,22 @@ class CausalLM(nnx.Module):
         deep), or it is None and the call computes the cache of layers [start, stop) alone
         (`elastic.cascade.deepen` stacks it on the shallower one). An APPEND or SEGMENT cache comes
         back with layers [0, stop). `final_norm=False` returns the raw
-        residual stream (what a deeper call continues, and what an exit adapter reads)."""
+        residual stream (what a deeper call continues, and what an exit adapter reads).
+        The config's `scan_unroll` sets how many scan steps one loop iteration runs."""
         if not isinstance(cache_write, CacheWrite):
             raise ValueError(
                 f"cache_write must be a CacheWrite ({', '.join(m.name for m in CacheWrite)}), not {cache_write!r}"
             )
         policy = remat_policy(remat)
-        start, stop = (0, len(self.layers)) if layer_range is None else (int(layer_range[0]), int(layer_range[1]))
-        if not 0 <= start < stop <= len(self.layers):
-            raise ValueError(f"layer_range must be 0 <= start < stop <= {len(self.layers)}, not {layer_range}")
+        L = int(self.cfg.num_hidden_layers)
+        start, stop = (0, L) if layer_range is None else (int(layer_range[0]), int(layer_range[1]))
+        if not 0 <= start < stop <= L:
+            raise ValueError(f"layer_range must be 0 <= start < stop <= {L}, not {layer_range}")
         if (start > 0) != (hidden_BTE is not None):
             raise ValueError("hidden_BTE (the residual stream after layer start) comes exactly with a start > 0")
-        if cache is not None and len(cache["layers"]) < stop:
-            raise ValueError(f"the cache holds {len(cache['layers'])} layers; a call to layer {stop} needs them all")
+        if cache is not None and stack.depth(cache[stack.BLOCKS]) < stop:
+            have = stack.depth(cache[stack.BLOCKS])
+            raise ValueError(f"the cache holds {have} layers; a call to layer {stop} needs them all")
         B, T = tokens_BT.shape
         if valid_BT is None:
             valid_BT = jnp.ones((B, T), bool)
@@ -137,18 +158,24 @@ class CausalLM(nnx.Module):
             x = self.embed_tokens(tokens_BT).astype(jnp.float32)  # the residual stream is fp32 (layers.py)
             if embeds_BTE is not None:
                 x = jnp.where(embeds_mask_BT[..., None], embeds_BTE.astype(jnp.float32), x)
-        # layers below `start` were run by an earlier call; their caches pass through unchanged
-        new_layers = [] if cache is None else list(cache["layers"][:start])
-        for i in range(start, stop):
-            layer_cache = None if cache is None else cache["layers"][i]
-            x, layer_cache = _call_layer(self.layers[i], x, ctx, layer_cache, policy)
-            new_layers.append(layer_cache)
+        layer_graph = functools.partial(_layer_graph, self.cfg, _layer_dtype(blocks))
+        x, new_blocks = scan.run(
+            layer_graph,
+            blocks,
+            self.cfg.layer_types,
+            x,
+            ctx,
+            None if cache is None else cache[stack.BLOCKS],
+            (start, stop),
+            policy,
+            unroll=max(1, int(getattr(self.cfg, "scan_unroll", 1))),
+        )
         if readout_BR is not None:  # the final norm (and later the head) only where a readout needs it
             x = jnp.take_along_axis(x, readout_BR[..., None].astype(jnp.int32), axis=1)
         if cache_write is CacheWrite.SEGMENT:
-            new_cache = cache_lib.with_segment(cache, valid_BT, tuple(new_layers))
+            new_cache = cache_lib.with_segment(cache, valid_BT, new_blocks)
         elif cache_write is CacheWrite.APPEND:
-            new_cache = cache_lib.advance(cache, B, valid_BT, tuple(new_layers))
+            new_cache = cache_lib.advance(cache, B, valid_BT, new_blocks)
         else:
             new_cache = None
         return (self.final(x) if final_norm else x), new_cache

@@ -608,4 +608,4 @@ def stack_caches(caches: list[dict], n: int) -> dict:
     slots = max(c["valid"].shape[1] for c in caches)
     grown = [cache_lib.grow(c, slots) for c in caches]
     grown += [grown[0]] * (n - len(grown))
-    return jax.tree.map(lambda *xs: jnp.max(jnp.stack(xs)) if xs[0].ndim == 0 else jnp.concatenate(xs, axis=0), *grown)
+    return cache_lib.concat_rows(grown)

@@ -296,9 +296,12 @@ def compute_segments(params, cache, tokens_BT, valid_BT, cfg, anchored=True, pre
         cache_write=models.CacheWrite.SEGMENT,
         anchored_softmax=anchored,
     )
-    rows = [x for layer in seg["layers"] for k, x in layer.items() if k in cache_lib.SEGMENT_ROW_KEYS]
+    rows = [x for stk in seg["blocks"].values() for k, x in stk.items() if k in cache_lib.SEGMENT_ROW_KEYS]
+    row_axis = cache_lib.ROW_AXIS  # the entries are layer stacks: [n, B, ...]
     finite = [
-        jnp.isfinite(x).reshape(x.shape[0], -1).all(axis=1) for x in rows if jnp.issubdtype(x.dtype, jnp.floating)
+        jnp.isfinite(jnp.moveaxis(x, row_axis, 0)).reshape(x.shape[row_axis], -1).all(axis=1)
+        for x in rows
+        if jnp.issubdtype(x.dtype, jnp.floating)
     ]
     return seg, jnp.all(jnp.stack(finite), axis=0)
 

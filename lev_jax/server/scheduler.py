@@ -357,7 +357,7 @@ class Scheduler:
         requests = [(t.state, t.questions) for t in batch]
         try:
             call = self._call_each if one_by_one else self._call
-            results = await loop.run_in_executor(executor, call, requests)
+            results = await loop.run_in_executor(executor, self._foreground, call, requests)
         except asyncio.CancelledError:
             for t in batch:
                 if not t.future.done():
@@ -378,9 +378,15 @@ class Scheduler:
                     t.future.set_result(r)
             self._release(t)  # a cancelled running request held its slot until now, too
 
+    @staticmethod
+    def _foreground(call, requests: list[tuple[Any, dict]]) -> list[Any]:
+        """Requests' work: background compiles and the warm-up wait for it (`programs.foreground`)."""
+        with programs.foreground():
+            return call(requests)
+
     def _compile_only(self, requests: list[tuple[Any, dict]]) -> list[Any]:
-        """A background compile: the batch run dry (`programs.dry_run`)."""
-        with programs.dry_run():
+        """A background compile: the batch run dry (`programs.dry_run`), after any request in flight."""
+        with programs.dry_run(), programs.background():
             return self._call(requests)
 
     def _call_each(self, requests: list[tuple[Any, dict]]) -> list[Any]:

@@ -236,8 +236,9 @@ class Warmup:
 
     def run(self) -> None:
         # compute no row read whose program has run (programs.dry_run): the grid's answers are dropped,
-        # and on a restart whose programs are all stored, computing them was most of the time
-        with programs.dry_run():
+        # and on a restart whose programs are all stored, computing them was most of the time; and
+        # step aside at every program call while a request is in flight (programs.background)
+        with programs.dry_run(), programs.background():
             self._run()
 
     def _run(self) -> None:

@@ -302,10 +302,12 @@ def group_scores(params, head, batch, cfg, *, remat: str = "none", rows_per_call
     )
     keys_ECK = modeb.marker_keys(head, hidden_ECE) if keyed else jnp.zeros((E, 1, 1), jnp.float32)
     keyed_E = batch["prefix_keyed_E"] if keyed else jnp.zeros((E,), bool)
-    mapped = jax.tree.map(lambda x: x.ndim > 0, cache)
+    row_axes = models.cache_row_axes(cache)
 
     def rows(cache_1, keys_CK, keyed_1, tokens_RT, valid_RT, answer_R, ids_RC, markers_RC, marked_R):
-        cache_1 = jax.tree.map(lambda x, m: x[None] if m else x, cache_1, mapped)
+        cache_1 = jax.tree.map(
+            lambda x, ax: x if ax is None else jnp.expand_dims(x, ax), cache_1, row_axes, is_leaf=lambda x: x is None
+        )
         if exits is not None:
             return readout.rows_exit_logits(
                 params, exits, cache_1, None, tokens_RT, valid_RT, answer_R, ids_RC, cfg, exit_depths, remat=remat
@@ -339,7 +341,7 @@ def group_scores(params, head, batch, cfg, *, remat: str = "none", rows_per_call
             out = jax.lax.map(lambda xs: whole(cache_1, keys_CK, keyed_1, *xs), tuple(chunks))
             return jax.tree.map(lambda o: o.reshape(-1, *o.shape[2:])[:R], out)
 
-    in_axes = (jax.tree.map(lambda m: 0 if m else None, mapped), 0, 0, 0, 0, 0, 0, 0, 0)
+    in_axes = (row_axes, 0, 0, 0, 0, 0, 0, 0, 0)
     names = ("tokens_ERT", "valid_ERT", "answer_ER", "label_ids_ERC", "markers_ERC", "marked_ER")
     logits_ERC = jax.vmap(rows, in_axes=in_axes)(cache, keys_ECK, keyed_E, *(batch[k] for k in names))
     return jax.tree.map(lambda x: x.reshape(E * R, -1), logits_ERC)

@@ -11,7 +11,8 @@ compiler-propagated sharding (GSPMD), so jit's in/out shardings pin the paramete
 the results, and XLA places the rest. (`Explicit` axes would need a sharding annotation on every
 contraction inside the model code.)
 
-`RULES` is the one table: a parameter's dotted path (lora.path_str) -> how its dimensions shard. A
+`RULES` is the one table: a parameter's dotted path (lora.path_str) -> how its dimensions shard (a
+layer stack's leading layer axis, models.stack, is never sharded: the scan steps along it). A
 dimension whose size the mesh axis does not divide stays replicated, so any model runs on any mesh
 (a tiny test model on 2x2x2 included). A LoRA factor shards like its base kernel: `a` [in, r] takes
 the kernel's input-dimension rule, `b` [r, out] its output-dimension rule.
@@ -28,6 +29,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from lev_jax.models import stack
 from lev_jax.training import lora
 from lev_jax.training.config import ConfigError
 
@@ -104,7 +106,11 @@ def param_shardings(params, mesh: Mesh):
     """NamedShardings for a parameter tree, by `RULES`."""
 
     def one(path, x):
-        return NamedSharding(mesh, spec_for(rule(lora.path_str(path)), np.shape(x), mesh))
+        name = lora.path_str(path)
+        axes = rule(name)
+        if axes is not None and name.startswith(stack.BLOCKS + "."):  # a layer stack: the layer axis unsharded
+            axes = (None, *axes)
+        return NamedSharding(mesh, spec_for(axes, np.shape(x), mesh))
 
     return jax.tree_util.tree_map_with_path(one, params)
 

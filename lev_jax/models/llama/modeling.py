@@ -36,6 +36,10 @@ class LlamaConfig:
     qk_norm: str | None = None
     max_position_embeddings: int = 8192
     exit_rank: int = 0  # > 0: truncated at an elastic-depth exit (models.exit_view)
+    depth_of: int = 0  # > 0: that exit view's full model depth (models.full_config)
+    # scan steps (models.scan) unrolled per loop iteration: 1 keeps a program's size independent of
+    # depth; the layer count unrolls the whole stack (the program a layer loop in Python would give)
+    scan_unroll: int = 1
 
     @classmethod
     def from_hf(cls, d: dict) -> LlamaConfig:
@@ -66,8 +70,15 @@ class LlamaConfig:
             max_position_embeddings=int(d.get("max_position_embeddings", 8192)),
         )
 
+    @property
+    def layer_types(self) -> tuple[str, ...]:
+        return ("full_attention",) * self.num_hidden_layers
+
     def model(self, dtype=jnp.float32, rngs=None):
         return LlamaLM(self, dtype=dtype, rngs=rngs or nnx.Rngs(0))
+
+    def layer_module(self, kind: str, dtype=jnp.float32):
+        return LlamaLayer(self, dtype=dtype, rngs=nnx.Rngs(0))
 
     def layer_cache(self, batch: int, slots: int, dtype):
         return tuple(
@@ -110,4 +121,3 @@ class LlamaLM(CausalLM):
     def __init__(self, cfg: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.rot_dim, self.rope_theta = cfg.head_dim, cfg.rope_theta
         self._init_shell(cfg, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype), dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([LlamaLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_hidden_layers)])

@@ -53,6 +53,10 @@ class Qwen3_5Config:
     vision_start_token_id: int | None = None
     vision_end_token_id: int | None = None
     exit_rank: int = 0  # > 0: truncated at an elastic-depth exit (models.exit_view)
+    depth_of: int = 0  # > 0: that exit view's full model depth (models.full_config)
+    # scan steps (models.scan) unrolled per loop iteration: 1 keeps a program's size independent of
+    # depth; the layer count unrolls the whole stack (the program a layer loop in Python would give)
+    scan_unroll: int = 1
 
     @classmethod
     def from_hf(cls, d: dict) -> Qwen3_5Config:
@@ -108,6 +112,9 @@ class Qwen3_5Config:
     def model(self, dtype=jnp.float32, rngs=None):
         return Qwen3_5LM(self, dtype=dtype, rngs=rngs or nnx.Rngs(0))
 
+    def layer_module(self, kind: str, dtype=jnp.float32):
+        return Qwen3_5Layer(self, kind, dtype=dtype, rngs=nnx.Rngs(0))
+
     @property
     def conv_dim(self) -> int:
         key_dims = self.linear_num_key_heads * self.linear_key_head_dim
@@ -115,7 +122,7 @@ class Qwen3_5Config:
 
     def layer_cache(self, batch: int, slots: int, dtype):
         out = []
-        for kind in self.layer_types:
+        for kind in self.layer_types[: self.num_hidden_layers]:
             if kind == "full_attention":
                 out.append(kv_cache(batch, self.num_key_value_heads, slots, self.head_dim, dtype))
             else:
@@ -133,7 +140,7 @@ class Qwen3_5Config:
     def flops_per_token(self, context: int) -> float:
         E, F = self.hidden_size, self.intermediate_size
         total = 0.0
-        for kind in self.layer_types:
+        for kind in self.layer_types[: self.num_hidden_layers]:
             if kind == "full_attention":
                 proj = E * self.head_dim * (3 * self.num_attention_heads + 2 * self.num_key_value_heads)
                 total += proj + 2 * self.num_attention_heads * self.head_dim * context
@@ -376,4 +383,3 @@ class Qwen3_5LM(CausalLM):
         self.mrope_axes = mrope_axes(cfg.mrope_section, self.rot_dim // 2)
         norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True, dtype=dtype)
         self._init_shell(cfg, norm, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([Qwen3_5Layer(cfg, kind, dtype=dtype, rngs=rngs) for kind in cfg.layer_types])

@@ -155,16 +155,21 @@ def prepare_loading() -> None:
 
 
 @contextlib.contextmanager
-def dry_run():
-    """In this thread, `dry=True` programs compile (or load) and run once per signature as usual, and
-    then return ones of their output shapes instead of running: for a warm-up, whose answers nobody
-    reads."""
-    before = getattr(_local, "dry", False)
-    _local.dry = True
+def _thread_flag(name: str):
+    """Set a per-thread flag for the block (restored after it: the contexts nest)."""
+    before = getattr(_local, name, False)
+    setattr(_local, name, True)
     try:
         yield
     finally:
-        _local.dry = before
+        setattr(_local, name, before)
+
+
+def dry_run():
+    """In this thread, `dry=True` programs compile (or load) and run once per signature as usual, and
+    then return ones of their output shapes instead of running: for a warm-up, whose answers nobody
+    reads. (A context manager.)"""
+    return _thread_flag("dry")
 
 
 def is_dry() -> bool:
@@ -195,15 +200,10 @@ def foreground():
             _foreground_cond.notify_all()
 
 
-@contextlib.contextmanager
 def background():
-    """In this thread, every program call and compile first waits until no request is in flight."""
-    before = getattr(_local, "background", False)
-    _local.background = True
-    try:
-        yield
-    finally:
-        _local.background = before
+    """In this thread, every program call and compile first waits until no request is in flight.
+    (A context manager.)"""
+    return _thread_flag("background")
 
 
 def yield_to_requests() -> float:

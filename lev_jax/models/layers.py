@@ -132,7 +132,8 @@ class Dense(nnx.Module):
     x W + (x A) B (`lora_a` [in, r], `lora_b` [r, out], scale folded into B; fp32 masters cast to the
     kernel's dtype): a training step then never forms or differentiates W + A B, so the frozen
     kernel costs the backward one product (dx) instead of two (dx and dW). Serving merges instead.
-    The adapter slots are None unless a graph is built with them (`models.graph(..., lora=...)`)."""
+    The adapter slots are None unless a layer graph is built with them (`models.base` layer graphs, from
+    the slots `lora.apply` puts into the layer stacks)."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = False, dtype, rngs: nnx.Rngs):
         # Zeros, not a draw from `rngs`: every model's weights come from a checkpoint or from

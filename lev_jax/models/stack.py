@@ -45,11 +45,6 @@ def layer_at(p: int, j: int, P: int) -> int:
     return j * P + p
 
 
-def stack_sizes(n_layers: int, P: int) -> tuple[int, ...]:
-    """How many of `n_layers` layers each of the P stacks holds."""
-    return tuple(len(range(p, n_layers, P)) for p in range(P))
-
-
 def _is_lora(path) -> bool:
     return any(getattr(k, "key", None) in LORA_LEAVES for k in path)
 

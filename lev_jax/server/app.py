@@ -16,18 +16,19 @@ import inspect
 import logging
 import math
 import os
+import re
 import secrets
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -38,7 +39,7 @@ from lev_jax.server import errors as E
 from lev_jax.server import wire
 from lev_jax.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from lev_jax.server.metrics import Metrics
-from lev_jax.server.scheduler import QueueFull, Scheduler, ShuttingDown
+from lev_jax.server.scheduler import QueueFull, Scheduler, ShuttingDown, Unavailable
 from lev_jax.server.warmup import ShapeLog, Warmup
 
 log = logging.getLogger("lev_jax.server")
@@ -64,7 +65,9 @@ class ServerConfig:
     max_batch_tokens: int = 16384  # input tokens per device call (one bigger request runs alone)
     max_batch_rows: int = 64  # requests per device call
     batch_wait_ms: float = 2.0  # an idle server waits this long for a burst to join the first batch
-    timeout_s: float = 60.0  # request deadline, from arrival; 504 past it
+    timeout_s: float = 60.0  # request deadline, from arrival (parsing, planning, queue, device); 504 past it
+    # a request's device call running longer than this makes /health 503 ("stuck") and new requests 503
+    watchdog_s: float = 300.0
     max_body_bytes: int = 32 << 20  # raw and decompressed body limit; 413 past it
     drain_timeout_s: float = 60.0  # graceful shutdown: how long to wait for in-flight requests
     api_keys: frozenset[str] = field(default_factory=frozenset)
@@ -146,6 +149,7 @@ def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> Fa
         ready=getattr(engine, "ready", None),
         # a compile is one host thread's work: as many side by side as the host has cores, up to 2
         compile_lanes=max(1, min(2, os.cpu_count() or 1)),
+        watchdog_s=cfg.watchdog_s,
     )
     shape_log = None
     if cfg.shape_log_dir and hasattr(engine, "warm"):
@@ -239,6 +243,20 @@ def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> Fa
     )
     async def systemone(request: Request):
         t0 = time.perf_counter()
+        deadline = t0 + cfg.timeout_s
+
+        async def off_loop(fn, *args, **kwargs):
+            """fn in a worker thread, within the request's deadline (504 past it). Parsing and planning
+            count against the deadline as queueing does: a request that spends it before the queue is
+            answered then, not after. The thread is abandoned, not stopped: its result is dropped."""
+            call = functools.partial(fn, *args, **kwargs)
+            try:
+                with anyio.fail_after(max(0.0, deadline - time.perf_counter())):
+                    return await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
+            except TimeoutError:
+                metrics.timed_out.inc()
+                raise E.ApiError(504, E.TIMEOUT, f"No answer within the server timeout of {cfg.timeout_s:g}s") from None
+
         check_auth(request)
         content_type = request.headers.get("content-type")
         body_lib.check_content_type(content_type)
@@ -250,7 +268,7 @@ def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> Fa
         args = (raw, request.headers.get("content-encoding"), content_type, cfg.max_body_bytes)
         # decompression, JSON and validation off the event loop, whatever the size: a few hundred
         # compressed bytes can hold seconds of that work, and /health must answer meanwhile
-        req, parts = await run_in_threadpool(_parse, *args)
+        req, parts = await off_loop(_parse, *args)
 
         if req.model not in accepted_models:
             raise E.usage_error(f"Unknown model: {req.model}")
@@ -261,7 +279,7 @@ def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> Fa
                 "which asks for coordinates; this server reads decisions: use noul, choice or score"
             )
         # base64, signatures and placeholder lookup walk the whole request: off the event loop too
-        images = await run_in_threadpool(body_lib.resolve_assets, req.assets, parts, req.state, req.questions)
+        images = await off_loop(body_lib.resolve_assets, req.assets, parts, req.state, req.questions)
         if images and not engine.supports_images:
             where = sorted({w for img in images for w in img.references})
             raise E.usage_error(
@@ -281,7 +299,7 @@ def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> Fa
                 raise E.usage_error(f"Model {model_name} is served at one depth; remove the {DEPTH_HEADER} header")
             plan_kwargs["depth"] = depth.strip()
         try:  # plan once (images decoded too): count tokens and refuse over-budget requests before they queue
-            plan = await run_in_threadpool(functools.partial(engine.plan, *plan_args, **plan_kwargs))
+            plan = await off_loop(engine.plan, *plan_args, **plan_kwargs)
             counts = plan.token_counts()
         except (TokenLimitError, ImageTooLargeError) as e:
             raise E.too_large(str(e)) from None
@@ -299,12 +317,13 @@ def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> Fa
                 f"Server busy: {cfg.max_pending} requests in flight; retry after {e.retry_after_s:.2f}s",
                 {"Retry-After": str(e.retry_after), "retry-after-ms": str(math.ceil(e.retry_after_s * 1000))},
             ) from None
+        except Unavailable as e:
+            raise E.ApiError(503, E.OVERLOADED, f"Server unavailable: {e.reason}", {"Retry-After": "30"}) from None
         except ShuttingDown:
             raise E.ApiError(503, E.OVERLOADED, "Server is shutting down", {"Retry-After": "5"}) from None
 
-        remaining = cfg.timeout_s - (time.perf_counter() - t0)
         try:
-            answers = await _await(request, ticket, max(0.0, remaining))
+            answers = await _await(request, ticket, max(0.0, deadline - time.perf_counter()))
         except _ClientGone:
             metrics.cancelled.inc()
             return Response(status_code=499)
@@ -389,16 +408,27 @@ def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> Fa
             ]
         }
 
-    @app.get("/health", summary="Liveness, configuration and load")
+    @app.get(
+        "/health",
+        summary="Liveness, configuration and load",
+        responses={503: {"description": "The device is stuck (a call past the watchdog) or the worker is dead"}},
+    )
     async def health():
         info = _engine_info(engine)
-        return {
-            # ready: the warm-up has run (requests are answered while warming, but may compile)
-            "status": "draining" if scheduler.closing else warmup.state,
+        # not 200 when nothing admitted would be answered: a probe restarts what cannot recover
+        down = scheduler.unavailable()
+        if down:
+            status = "dead" if scheduler.dead else "stuck"
+        else:  # ready: the warm-up has run (requests are answered while warming, but may compile)
+            status = "draining" if scheduler.closing else warmup.state
+        body = {
+            "status": status,
+            **({"unavailable": down} if down else {}),
             "warmup": warmup.info(),
             "dtype": info.get("dtype"),
             "platform": info.get("platform"),
-            "compilation_cache": info.get("compilation_cache"),
+            # whether programs persist, not where: /health names no directory of the host
+            "compilation_cache": bool(info.get("compilation_cache")),
             "compile_lane": {
                 "requests": scheduler.cold_runs,
                 "background_compiles": scheduler.background_compiles,
@@ -430,6 +460,7 @@ def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> Fa
             "uptime_s": round(time.time() - started, 3),
             "version": _version(),
         }
+        return JSONResponse(_without_paths(body), status_code=503 if down else 200)
 
     @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics")
     async def prometheus():
@@ -529,6 +560,22 @@ def release_note(info: dict) -> str:
         if isinstance(m.get("accuracy"), float) and isinstance(m.get("ece"), float)
     )
     return f" Release {rel['name']} (step {rel['step']})" + (f"; held-out accuracy: {held}." if held else ".")
+
+
+# An absolute path inside a string (a checkpoint "/srv/runs/x@step 24", a release "(/opt/...)"): the
+# directories say where the host keeps things, which /health has no reason to tell anyone.
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.~-])(?:/|[A-Za-z]:[\\/])(?:[^\s/\\()'\"]+[/\\])+")
+
+
+def _without_paths(value):
+    """`value` with every absolute path in its strings cut to its last component (`.../x@step 24`)."""
+    if isinstance(value, str):
+        return _ABSOLUTE_PATH.sub(".../", value) if ("/" in value or "\\" in value) else value
+    if isinstance(value, dict):
+        return {k: _without_paths(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_without_paths(v) for v in value]
+    return value
 
 
 def _engine_info(engine) -> dict:

@@ -143,6 +143,14 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         help=f"seconds from arrival to answer before a 504 (default {d.timeout_s:g})",
     )
     p.add_argument(
+        "--watchdog",
+        type=float,
+        default=d.watchdog_s,
+        metavar="SECONDS",
+        help="a request's device call running longer than this (a cold compile included) makes /health answer "
+        "503 and new requests 503 until it returns (default %(default)g)",
+    )
+    p.add_argument(
         "--max-body-mb",
         type=float,
         default=d.max_body_bytes / 2**20,
@@ -189,6 +197,8 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
             parser.error(f"{flag} must be at least 1")
     if args.timeout <= 0:
         parser.error("--timeout must be positive")
+    if args.watchdog <= 0:
+        parser.error("--watchdog must be positive")
     if args.image_pixels is not None and args.image_pixels < 1:
         parser.error("--image-pixels must be positive")
     if args.warmup_budget < 0:
@@ -199,6 +209,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         max_batch_rows=args.max_batch_rows,
         batch_wait_ms=args.batch_wait_ms,
         timeout_s=args.timeout,
+        watchdog_s=args.watchdog,
         max_body_bytes=int(args.max_body_mb * 2**20),
         drain_timeout_s=args.drain_timeout,
         api_keys=api_keys_from_env(),

@@ -11,6 +11,12 @@ Admission is bounded: at most `max_pending` requests are queued or running; the 
 passed, is cancelled: dropped from the queue if it has not started, its result discarded if it has.
 `close()` refuses new work (`ShuttingDown`, 503) and `drain()` waits for what is in flight.
 
+A watchdog tells the truth about the device: a request's device call that has run longer than
+`watchdog_s` makes the scheduler `stuck` (logged once per call; new requests are refused with
+`Unavailable`, answered 503, instead of queueing behind a call that may never end), and a worker that
+died makes it `dead`. A device call cannot be interrupted from Python, so the watchdog only reports:
+`/health` answers 503 and an orchestrator restarts the process.
+
 Compilation never stalls ready work. With a `ready(requests)` predicate (the engine's: would running
 these requests together compile a new device program?), a request whose own programs are not compiled
 yet goes to the compile lane, with device threads of its own, where it compiles and runs while the
@@ -62,6 +68,14 @@ class ShuttingDown(Exception):
     pass
 
 
+class Unavailable(ShuttingDown):
+    """The device is stuck or the worker is dead: nothing admitted now would be answered."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
 @dataclass(eq=False)
 class Ticket:
     state: Any
@@ -89,7 +103,10 @@ class Scheduler:
         metrics=None,
         ready: Ready | None = None,
         compile_lanes: int = 2,
+        watchdog_s: float = 300.0,
     ):
+        if watchdog_s <= 0:
+            raise ValueError("watchdog_s must be positive")
         if max_pending < 1 or max_batch_tokens < 1 or max_batch_rows < 1 or compile_lanes < 1:
             raise ValueError("max_pending, max_batch_tokens, max_batch_rows and compile_lanes must be positive")
         self.run_batch = run_batch
@@ -100,6 +117,10 @@ class Scheduler:
         self.metrics = metrics
         self.ready = ready
         self.compile_lanes = compile_lanes
+        self.watchdog_s = watchdog_s
+        self.dead: str | None = None  # why a worker died, once one has
+        self._watchdog: asyncio.Task | None = None
+        self._reported: set[int] = set()  # ids of tickets whose stuck call has been logged
         self._queue: collections.deque[Ticket] = collections.deque()
         # the compile lane: requests that need new programs, and batches to compile in the background
         self._cold: collections.deque[Ticket | list[Ticket]] = collections.deque()
@@ -137,10 +158,12 @@ class Scheduler:
                 task = asyncio.create_task(self._cold_loop(lane), name=f"lev-compile-lane-{lane}")
                 task.add_done_callback(self._worker_done)
                 self._cold_workers.append(task)
+        self._watchdog = asyncio.create_task(self._watch(), name="lev-watchdog")
 
     def _worker_done(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
             log.error("the scheduler's worker died; refusing new requests", exc_info=task.exception())
+            self.dead = f"the scheduler's worker {task.get_name()} died: {task.exception()!r}"
             self._closing = True
             for t in self._tickets():
                 if not t.future.done():
@@ -173,8 +196,8 @@ class Scheduler:
     async def stop(self, wait_s: float = STOP_WAIT_S) -> None:
         """Refuse and cancel what is queued; wait up to `wait_s` for a device call in flight."""
         self._closing = True
-        workers = [self._worker, *self._cold_workers]
-        self._worker, self._cold_workers = None, []
+        workers = [self._worker, *self._cold_workers, self._watchdog]
+        self._worker, self._cold_workers, self._watchdog = None, [], None
         for worker in workers:
             if worker is not None:
                 worker.cancel()
@@ -227,7 +250,46 @@ class Scheduler:
         batches_ahead = max(1.0, self._pending / max(1.0, self._batch_rows))
         return min(MAX_RETRY_AFTER_S, max(0.05, batches_ahead * self._batch_s))
 
+    # -- the watchdog --------------------------------------------------------------------------
+    def stuck_for(self) -> float:
+        """Seconds the oldest request's device call has run past `watchdog_s`; 0 when none has."""
+        if not self._running:
+            return 0.0
+        over = time.perf_counter() - min(t.started for t in self._running) - self.watchdog_s
+        return max(0.0, over)
+
+    def unavailable(self) -> str | None:
+        """Why nothing admitted now would be answered (a dead worker, a stuck device call), or None."""
+        if self.dead:
+            return self.dead
+        if self.stuck_for() > 0:
+            oldest = min(t.started for t in self._running)
+            return (
+                f"a device call has run for {time.perf_counter() - oldest:.0f}s, "
+                f"past the watchdog's {self.watchdog_s:g}s"
+            )
+        return None
+
+    async def _watch(self) -> None:
+        """Logs each request's device call once when it passes `watchdog_s` (the state itself is
+        computed where it is read: `unavailable()`), so the log says when the device stopped answering."""
+        while True:
+            await asyncio.sleep(min(5.0, self.watchdog_s / 4))
+            now = time.perf_counter()
+            for t in self._running:
+                if id(t) not in self._reported and now - t.started > self.watchdog_s:
+                    self._reported.add(id(t))
+                    log.error(
+                        "watchdog: a device call has run for %.0fs (limit %gs); /health reports the server "
+                        "stuck and new requests are refused until it returns",
+                        now - t.started,
+                        self.watchdog_s,
+                    )
+            self._reported &= {id(t) for t in self._running}
+
     def submit(self, state: Any, questions: dict, tokens: int) -> Ticket:
+        if reason := self.unavailable():
+            raise Unavailable(reason)
         if self._closing or self._worker is None:
             raise ShuttingDown()
         if self._pending >= self.max_pending:

@@ -419,3 +419,70 @@ def test_levbench_agree_reports_mode_a_vs_mode_b_and_gates(released_b, tmp_path)
     with pytest.raises(CheckpointError, match="no readable levbench agreement.json"):
         release.make(run_dir, tmp_path / "rel2", agree_dir=tmp_path)
     assert not (tmp_path / "rel2").exists()
+
+
+# ------------------------------------------------------------------ manifests name files inside the release
+
+
+@pytest.fixture
+def shipped_copy(tmp_path):
+    """A copy of the shipped default release, whose manifest the tests below tamper with."""
+    import shutil
+
+    from lev_jax.engine import DEFAULT_RELEASE
+
+    rel = tmp_path / "rel"
+    shutil.copytree(DEFAULT_RELEASE, rel)
+    release.check_files(rel, release.read_manifest(rel))  # untouched, it passes
+    return rel
+
+
+def _tamper(rel, edit):
+    m = json.loads((rel / "lev_release.json").read_text())
+    edit(m)
+    (rel / "lev_release.json").write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize(
+    "name", ["../outside.json", "/etc/hostname", "eval/../../outside.json", "C:/x.json", "eval\\..\\..\\x"]
+)
+def test_a_manifest_naming_a_file_outside_the_release_is_refused(shipped_copy, name):
+    rel = shipped_copy
+    outside = rel.parent / "outside.json"
+    outside.write_text("{}")
+    _tamper(rel, lambda m: m["files"].__setitem__(name, release._sha256(outside)))
+    with pytest.raises(CheckpointError) as e:
+        lev_jax.load(str(rel))  # refused before any weights load
+    assert "\n" not in str(e.value) and ("outside the release" in str(e.value) or "invalid file" in str(e.value))
+
+
+def test_a_loaded_file_outside_the_release_or_unlisted_is_refused(shipped_copy):
+    rel = shipped_copy
+    outside = rel.parent / "cal.json"
+    outside.write_bytes((rel / "calibration.json").read_bytes())
+
+    def point_out(m):
+        m["calibration"] = "../cal.json"
+        m["files"]["../cal.json"] = release._sha256(outside)
+
+    _tamper(rel, point_out)
+    with pytest.raises(CheckpointError, match="outside the release"):
+        release.load_release(rel)
+
+    # the head the loader reads must be listed with its hash, not merely present
+    def unlist(m):
+        m["calibration"] = "calibration.json"
+        del m["files"]["../cal.json"], m["files"]["mode_b_head.safetensors"]
+
+    _tamper(rel, unlist)
+    with pytest.raises(CheckpointError, match="not listed with a hash in the manifest: mode_b_head.safetensors"):
+        release.load_release(rel)
+
+
+def test_a_symlink_out_of_the_release_is_refused(shipped_copy):
+    rel = shipped_copy
+    outside = rel.parent / "adapter.safetensors"
+    (rel / "adapter_model.safetensors").rename(outside)
+    (rel / "adapter_model.safetensors").symlink_to(outside)  # same bytes, same hash: only the place differs
+    with pytest.raises(CheckpointError, match="adapter_model.safetensors leads outside the release"):
+        release.load_release(rel)

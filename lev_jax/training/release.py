@@ -28,7 +28,7 @@ import json
 import os
 import shutil
 import tempfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import jax.numpy as jnp
 import numpy as np
@@ -406,14 +406,47 @@ def read_manifest(release_dir) -> dict:
     return m
 
 
-def check_files(release_dir, manifest: dict) -> None:
-    """CheckpointError naming the release's files that are missing or changed since it was made."""
+def member(release_dir, name) -> Path:
+    """`release_dir / name` for a file name a manifest gives, which must be a relative POSIX path inside
+    the release: not absolute, no `..`, no drive or backslash, and not a symlink that leads out of it.
+    A manifest is data from wherever the release came from: it must not make the loader read (or hash)
+    a file elsewhere on the machine."""
     release_dir = Path(release_dir)
-    bad = [
-        f
-        for f, h in manifest.get("files", {}).items()
-        if not (release_dir / f).is_file() or _sha256(release_dir / f) != h
-    ]
+    if not isinstance(name, str) or not name or "\\" in name or "\0" in name:
+        raise CheckpointError(f"{release_dir}: the manifest names an invalid file {name!r}")
+    pure = PurePosixPath(name)
+    if pure.is_absolute() or PureWindowsPath(name).drive or ".." in pure.parts:
+        raise CheckpointError(f"{release_dir}: the manifest names {name!r}, outside the release directory")
+    path = release_dir / pure
+    if not path.resolve().is_relative_to(release_dir.resolve()):
+        raise CheckpointError(f"{release_dir}: {name} leads outside the release directory (a symlink)")
+    return path
+
+
+def loaded_files(manifest: dict) -> list:
+    """The manifest's names of the files `load_release` reads besides the manifest itself."""
+    names = [peft.ADAPTER_WEIGHTS, peft.ADAPTER_CONFIG]
+    names.append((manifest.get("mode_b") or {}).get("head"))
+    names.append((manifest.get("exits") or {}).get("adapters"))
+    names.append(manifest.get("calibration"))
+    return [n for n in names if n is not None]
+
+
+def check_files(release_dir, manifest: dict) -> None:
+    """CheckpointError when the manifest names a file outside the release, when a file the loader
+    reads is not listed with its hash, or naming the files missing or changed since the release."""
+    release_dir = Path(release_dir)
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(isinstance(h, str) for h in files.values()):
+        raise CheckpointError(f"{release_dir}: the manifest's files are not a map of names to sha256 hashes")
+    for name in [*files, *loaded_files(manifest)]:
+        member(release_dir, name)
+    unlisted = [n for n in loaded_files(manifest) if n not in files]
+    if unlisted:
+        raise CheckpointError(
+            f"{release_dir}: loaded files not listed with a hash in the manifest: {', '.join(unlisted)}"
+        )
+    bad = [f for f, h in files.items() if not (release_dir / f).is_file() or _sha256(release_dir / f) != h]
     if bad:
         raise CheckpointError(f"{release_dir}: files missing or changed since the release: {', '.join(bad)}")
 
@@ -508,20 +541,20 @@ def load_release(release_dir, dtype: str = "float32"):
     if manifest.get("mode_b"):
         try:
             bb.mode_b_head = modeb.head_from_tensors(
-                safetensors.numpy.load_file(release_dir / manifest["mode_b"]["head"])
+                safetensors.numpy.load_file(member(release_dir, manifest["mode_b"]["head"]))
             )
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{release_dir}: the Mode B head cannot be read ({e})") from None
     if manifest.get("exits"):
         try:
             bb.exits = exits_lib.exits_from_tensors(
-                safetensors.numpy.load_file(release_dir / manifest["exits"]["adapters"]), base.config
+                safetensors.numpy.load_file(member(release_dir, manifest["exits"]["adapters"])), base.config
             )
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{release_dir}: the exit adapters cannot be read ({e})") from None
     cal = None
     if manifest.get("calibration"):
-        cal = Calibration.load(release_dir / manifest["calibration"], model_id=manifest["name"])
+        cal = Calibration.load(member(release_dir, manifest["calibration"]), model_id=manifest["name"])
     return bb, cal, manifest
 
 

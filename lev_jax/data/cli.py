@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     b = sub.add_parser("build", help="build train / calibration / test splits and length statistics")
     b.add_argument("--out", required=True)
-    b.add_argument("--sources", help="comma-separated registry names (default: all 29)")
+    b.add_argument("--sources", help="comma-separated registry names (default: all of the registry)")
     b.add_argument("--limit-per-source", type=int, default=BuildConfig.limit_per_source)
     b.add_argument(
         "--n-examples",

@@ -68,6 +68,29 @@ EVAL_DATA_ALLOWED_FILES: Mapping[str, tuple[str, ...] | None] = {
 }
 EVAL_DATA_DOCS = ("README.md", "LICENSE-banking77", "LICENSE-clinc150")
 EVAL_DATA_ENV = "LEV_EVAL_DATA"
+TRAIN_DATA_ENV = "LEV_TRAIN_DATA"
+# The parts of the train-data folder its README marks *test* (measurement only), with the unlabelled
+# test files beside them: a training source that names one is refused. (QNLI dev.tsv and DBpedia's
+# train.csv are hash-split by the build; their measured part is the build's own test split.)
+TRAIN_DATA_TEST_PARTS: frozenset[str] = frozenset(
+    {
+        "sst2/dev.tsv",
+        "sst2/test.tsv",
+        "sst2_sentences/stsa.binary.test",
+        "sst5/stsa.fine.test",
+        "snips/test/seq.in",
+        "snips/test/seq.out",
+        "snips/test/label",
+        "commonsenseqa/dev_rand_split.jsonl",
+        "commonsenseqa/test_rand_split_no_answers.jsonl",
+        "arc/ARC-Easy-Dev.jsonl",
+        "arc/ARC-Challenge-Dev.jsonl",
+        "openbookqa/test.jsonl",
+        "strategyqa/dev.json",
+        "qnli/test.tsv",
+        "copa/val.jsonl",
+    }
+)
 
 
 class ContaminationError(RuntimeError):
@@ -93,6 +116,24 @@ def default_eval_data_dir() -> Path:
     if env:
         return Path(env)
     return Path(__file__).resolve().parents[2].parent / "shared" / "eval-data"
+
+
+def default_train_data_dir() -> Path:
+    """Where the shared train-data folder is: ``$LEV_TRAIN_DATA``, else ``<repo>/../shared/train-data``
+    (found as the eval-data folder is; never a machine path)."""
+    env = os.environ.get(TRAIN_DATA_ENV)
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[2].parent / "shared" / "train-data"
+
+
+def train_data_test_part(path: Path) -> str | None:
+    """The train-data test part `path` is (its path relative to the folder), or None."""
+    try:
+        rel = path.resolve().relative_to(default_train_data_dir().resolve()).as_posix()
+    except (OSError, ValueError):
+        return None
+    return rel if rel in TRAIN_DATA_TEST_PARTS else None
 
 
 def _fold(identifier: str) -> str:
@@ -192,6 +233,9 @@ class Guard:
         for ident in (p.name, member):
             if ident:
                 out.extend(self.check_identifier(ident, label))
+        test_part = None if member else train_data_test_part(p)
+        if test_part is not None:
+            out.append(Violation(label, raw, f"train-data test part {test_part} (measurement only: its README)"))
         eval_name, how = None, ""
         if not member and self._in_eval_dir(p):
             eval_name, how = p.name, "in the eval-data folder"

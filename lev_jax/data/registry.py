@@ -1,4 +1,4 @@
-"""The registry of training sources: 29 sources over 26 public datasets.
+"""The registry of training sources: 36 sources over 31 public datasets.
 
 A ``SourceSpec`` says where a source lives (hub id, config, split), which columns it reads (a map
 from *role* to column name), its primitive, its option set (choice), levels (score) or yes/no
@@ -43,16 +43,18 @@ KIND_PRIMITIVE: Mapping[str, str] = MappingProxyType(
     }
 )
 KINDS = tuple(KIND_PRIMITIVE)
-MCQ_FORMATS = ("race", "choices", "sciq")
+MCQ_FORMATS = ("race", "choices", "sciq", "copa")
 # The roles a multiple-choice format reads from a record ("context" is optional everywhere).
 MCQ_ROLES: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
         "race": ("question", "options", "answer"),
         "choices": ("question", "choices", "answer"),
         "sciq": ("question", "correct", "distractor1", "distractor2", "distractor3"),
+        # COPA: a premise ("context"), "cause" or "effect" ("question"), two alternatives, 0/1
+        "copa": ("context", "question", "choice1", "choice2", "answer"),
     }
 )
-LOCAL_SCHEMES = ("eval-data", "package")
+LOCAL_SCHEMES = ("eval-data", "train-data", "package")
 
 
 class SpecError(ValueError):
@@ -69,7 +71,9 @@ class Option:
 class LocalSpec:
     """Where a local copy of a source can be found without the hub, and how to read it.
 
-    ``locator`` is ``"eval-data:<file>"`` (the shared evaluation-data folder) or
+    ``locator`` is ``"eval-data:<file>"`` (the shared evaluation-data folder),
+    ``"train-data:<path>"`` (the shared training-data folder, ``$LEV_TRAIN_DATA`` or
+    ``<repo>/../shared/train-data``: only the parts its README marks train) or
     ``"package:<dist>:<member>"`` (a file shipped inside an installed or downloaded wheel).
     """
 
@@ -83,7 +87,10 @@ class LocalSpec:
     def __post_init__(self) -> None:
         scheme, _, rest = self.locator.partition(":")
         if scheme not in LOCAL_SCHEMES or not rest or (scheme == "package" and rest.count(":") != 1):
-            raise SpecError(f"local locator {self.locator!r} is not 'eval-data:<file>' or 'package:<dist>:<member>'")
+            raise SpecError(
+                f"local locator {self.locator!r} is not 'eval-data:<file>', 'train-data:<path>' "
+                "or 'package:<dist>:<member>'"
+            )
 
 
 @dataclass(frozen=True)
@@ -157,6 +164,18 @@ class SourceSpec:
 LICENCES = {
     "banking77": "CC BY 4.0 (Casanueva et al., 2020, PolyAI)",
     "clinc_oos": "CC BY 3.0 (Larson et al., 2019)",
+    # the train-data folder's sources, as its README states them (by the spec's dataset)
+    "sst2": "none stated (Stanford Sentiment Treebank, Socher et al., 2013; GLUE SST-2)",
+    "sst5": "none stated (Stanford Sentiment Treebank, Socher et al., 2013)",
+    "snips": "CC0-1.0 (Coucke et al., 2018; Goo et al., 2018 split)",
+    "commonsense_qa": "MIT (Talmor et al., 2019)",
+    "ai2_arc": "CC BY-SA 4.0 (Clark et al., 2018, AI2)",
+    "ai2_arc_challenge": "CC BY-SA 4.0 (Clark et al., 2018, AI2)",
+    "openbookqa": "Apache-2.0 (Mihaylov et al., 2018, AI2)",
+    "strategyqa": "MIT (Geva et al., 2021)",
+    "qnli": "CC BY-SA 4.0 (Wang et al., 2018, GLUE; from SQuAD)",
+    "dbpedia_subset": "CC BY-SA 3.0 (Zhang et al., 2015; DBpedia)",
+    "copa": "BSD-2-Clause (Roemmele et al., 2011)",
 }
 
 
@@ -522,6 +541,58 @@ _CLINC_OPTIONS = tuple(
 ) + (Option("oos", "none of the supported intents (out of scope)"),)
 
 
+_DBPEDIA = _opts(
+    [
+        ("company", "A company or business."),
+        ("educational_institution", "A school, college or university."),
+        ("artist", "An artist, musician or writer."),
+        ("athlete", "A sportsperson."),
+        ("office_holder", "A politician or office holder."),
+        ("mean_of_transportation", "A vehicle, ship, aircraft or other means of transport."),
+        ("building", "A building or structure."),
+        ("natural_place", "A natural place such as a mountain or river."),
+        ("village", "A village or small settlement."),
+        ("animal", "An animal species."),
+        ("plant", "A plant species."),
+        ("album", "A music album."),
+        ("film", "A film."),
+        ("written_work", "A book, journal or other written work."),
+    ]
+)
+_DBPEDIA_KEYS = tuple(o.key for o in _DBPEDIA)
+_DBPEDIA_NAMES = {
+    "Company": "company",
+    "EducationalInstitution": "educational_institution",
+    "Artist": "artist",
+    "Athlete": "athlete",
+    "OfficeHolder": "office_holder",
+    "MeanOfTransportation": "mean_of_transportation",
+    "Building": "building",
+    "NaturalPlace": "natural_place",
+    "Village": "village",
+    "Animal": "animal",
+    "Plant": "plant",
+    "Album": "album",
+    "Film": "film",
+    "WrittenWork": "written_work",
+}
+_DBPEDIA_INSTR = (
+    "What kind of entity does this encyclopedia entry describe?",
+    "Classify the subject of this Wikipedia abstract.",
+    "Which category best fits the entity described?",
+    "Assign the article's subject to an ontology class.",
+)
+
+
+def _sst5_three(value: Any) -> int | None:
+    """An SST-5 level (0..4) on three levels: 0-1 negative, 2 neutral, 3-4 positive."""
+    try:
+        v = int(str(value).strip())
+    except ValueError:
+        return None
+    return {0: 0, 1: 0, 2: 1, 3: 2, 4: 2}.get(v)
+
+
 def _toxigen_label(value: Any) -> bool | None:
     """ToxiGen human toxicity is a 1-5 mean: >= 4 toxic, <= 2 benign, the ambiguous middle dropped."""
     try:
@@ -654,61 +725,8 @@ def _specs() -> tuple[SourceSpec, ...]:
             "classify",
             {"title": "title", "content": "content", "label": "label"},
             state_roles=("title", "content"),
-            options=_opts(
-                [
-                    ("company", "A company or business."),
-                    ("educational_institution", "A school, college or university."),
-                    ("artist", "An artist, musician or writer."),
-                    ("athlete", "A sportsperson."),
-                    ("office_holder", "A politician or office holder."),
-                    ("mean_of_transportation", "A vehicle, ship, aircraft or other means of transport."),
-                    ("building", "A building or structure."),
-                    ("natural_place", "A natural place such as a mountain or river."),
-                    ("village", "A village or small settlement."),
-                    ("animal", "An animal species."),
-                    ("plant", "A plant species."),
-                    ("album", "A music album."),
-                    ("film", "A film."),
-                    ("written_work", "A book, journal or other written work."),
-                ]
-            ),
-            label_map={
-                i: k
-                for i, k in enumerate(
-                    (
-                        "company",
-                        "educational_institution",
-                        "artist",
-                        "athlete",
-                        "office_holder",
-                        "mean_of_transportation",
-                        "building",
-                        "natural_place",
-                        "village",
-                        "animal",
-                        "plant",
-                        "album",
-                        "film",
-                        "written_work",
-                    )
-                )
-            }
-            | {
-                "Company": "company",
-                "EducationalInstitution": "educational_institution",
-                "Artist": "artist",
-                "Athlete": "athlete",
-                "OfficeHolder": "office_holder",
-                "MeanOfTransportation": "mean_of_transportation",
-                "Building": "building",
-                "NaturalPlace": "natural_place",
-                "Village": "village",
-                "Animal": "animal",
-                "Plant": "plant",
-                "Album": "album",
-                "Film": "film",
-                "WrittenWork": "written_work",
-            },
+            options=_DBPEDIA,
+            label_map={i: k for i, k in enumerate(_DBPEDIA_KEYS)} | _DBPEDIA_NAMES,
             instructions=(
                 "What kind of entity does this encyclopedia entry describe?",
                 "Classify the subject of this Wikipedia abstract.",
@@ -747,6 +765,10 @@ def _specs() -> tuple[SourceSpec, ...]:
             strip_descriptions=False,
             topic="commonsense_qa",
             aliases=("cqa", "commonsenseqa"),
+            local=LocalSpec(
+                "train-data:commonsenseqa/train_rand_split.jsonl",
+                {"question": "question.stem", "choices": "question.choices", "answer": "answerKey"},
+            ),
         ),
         S(
             "sciq",
@@ -783,6 +805,10 @@ def _specs() -> tuple[SourceSpec, ...]:
             strip_descriptions=False,
             topic="science_qa",
             aliases=("obqa",),
+            local=LocalSpec(
+                "train-data:openbookqa/train.jsonl",
+                {"question": "question.stem", "choices": "question.choices", "answer": "answerKey"},
+            ),
         ),
         S(
             "ai2_arc",
@@ -798,6 +824,65 @@ def _specs() -> tuple[SourceSpec, ...]:
             strip_descriptions=False,
             topic="science_qa",
             aliases=("arc_easy", "arc-easy"),
+            local=LocalSpec(
+                "train-data:arc/ARC-Easy-Train.jsonl",
+                {"question": "question.stem", "choices": "question.choices", "answer": "answerKey"},
+            ),
+        ),
+        S(
+            "arc_challenge",
+            "ai2_arc_challenge",
+            "allenai/ai2_arc",
+            "ARC-Challenge",
+            "train",
+            "choice",
+            "mcq",
+            {"question": "question", "choices": "choices", "answer": "answerKey"},
+            mcq_format="choices",
+            instructions=_MCQ_INSTR,
+            strip_descriptions=False,
+            topic="science_qa",
+            aliases=("arc-challenge",),
+            local=LocalSpec(
+                "train-data:arc/ARC-Challenge-Train.jsonl",
+                {"question": "question.stem", "choices": "question.choices", "answer": "answerKey"},
+            ),
+        ),
+        S(
+            "copa",
+            "copa",
+            "aps/super_glue",
+            "copa",
+            "train",
+            "choice",
+            "mcq",
+            {
+                "context": "premise",
+                "question": "question",
+                "choice1": "choice1",
+                "choice2": "choice2",
+                "answer": "label",
+            },
+            mcq_format="copa",
+            instructions=(
+                "Which alternative is more plausible?",
+                "Pick the more likely of the two alternatives.",
+                "Choose the alternative that best fits the situation.",
+                "Which option is the more plausible answer?",
+            ),
+            strip_descriptions=False,
+            topic="causal_reasoning",
+            local=LocalSpec(
+                "train-data:copa/train.jsonl",
+                {
+                    "context": "premise",
+                    "question": "question",
+                    "choice1": "choice1",
+                    "choice2": "choice2",
+                    "answer": "label",
+                },
+            ),
+            notes="offline: the 32-example FewGLUE train file (val.jsonl is the measured part)",
         ),
         S(
             "snli",
@@ -880,6 +965,53 @@ def _specs() -> tuple[SourceSpec, ...]:
             ),
             topic="assistant_intent",
             aliases=("snips_built_in_intents",),
+            # the Goo et al. split: one utterance per line of seq.in, its intent on the same line of label
+            local=LocalSpec("train-data:snips/train/seq.in", {"text": 0, "label": 1}, format="lines", parts=("label",)),
+        ),
+        S(
+            "sst2",
+            "sst2",
+            "nyu-mll/glue",
+            "sst2",
+            "train",
+            "choice",
+            "classify",
+            {"text": "sentence", "label": "label"},
+            options=_opts(
+                [
+                    ("negative", "The writer dislikes it or feels bad about it."),
+                    ("positive", "The writer likes it or feels good about it."),
+                ]
+            ),
+            label_map={0: "negative", 1: "positive"},
+            instructions=(
+                "What is the sentiment of this movie review excerpt?",
+                "Is the opinion expressed here negative or positive?",
+                "Classify the sentiment of the text.",
+                "How does the writer feel about the film?",
+            ),
+            topic="sentiment",
+            aliases=("sst-2", "glue/sst2"),
+            local=LocalSpec("train-data:sst2/train.tsv", {"text": "sentence", "label": "label"}, format="glue_tsv"),
+            notes="GLUE SST-2 train: phrases and sentences of the treebank's train part (dev.tsv is measured)",
+        ),
+        S(
+            "dbpedia_subset",
+            "dbpedia_subset",
+            "fancyzhx/dbpedia_14",
+            None,
+            "train",
+            "choice",
+            "classify",
+            {"text": "content", "label": "label"},
+            options=_DBPEDIA,
+            label_map={i: k for i, k in enumerate(_DBPEDIA_KEYS)},
+            instructions=_DBPEDIA_INSTR,
+            topic="encyclopedia",
+            # 1,000 abstracts per class, no header, the class index 0..13 (not the original 1..14: the
+            # subset's first rows are an artist, an album, an athlete), the title dropped; the build's
+            # hash split makes its measured part
+            local=LocalSpec("train-data:dbpedia_subset/train.csv", {"label": 0, "text": 1}, format="csv_rows"),
         ),
         S(
             "banking77",
@@ -941,6 +1073,28 @@ def _specs() -> tuple[SourceSpec, ...]:
             ),
             topic="sentiment",
             aliases=("sst-5", "sst_5"),
+            # train only: SST-5's dev sentences are SST-2's measured dev.tsv sentences (the same treebank split)
+            local=LocalSpec("train-data:sst5/stsa.fine.train", {"label": 0, "text": 1}, format="label_line"),
+        ),
+        S(
+            "sst5_3",
+            "sst5",
+            "SetFit/sst5",
+            None,
+            "train",
+            "score",
+            "score",
+            {"text": "text", "label": "label"},
+            levels=("negative", "neutral", "positive"),
+            label_fn=_sst5_three,
+            instructions=(
+                "Is the sentiment of this sentence negative, neutral or positive?",
+                "Rate the sentence's sentiment on a three-point scale.",
+                "How does the writer feel about the subject, from negative to positive?",
+            ),
+            topic="sentiment",
+            local=LocalSpec("train-data:sst5/stsa.fine.train", {"label": 0, "text": 1}, format="label_line"),
+            notes="SST-5 posed on three levels (very negative and negative -> negative, ...)",
         ),
         S(
             "yelp_review_full",
@@ -1106,6 +1260,60 @@ def _specs() -> tuple[SourceSpec, ...]:
             negations=("Is the answer to this question no?", "Should this question be answered no?"),
             topic="reasoning_qa",
             aliases=("strategy_qa",),
+            local=LocalSpec("train-data:strategyqa/train.json", {"question": "question", "label": "answer"}),
+        ),
+        S(
+            "sst2_positive",
+            "sst2",
+            "nyu-mll/glue",
+            "sst2",
+            "train",
+            "noul",
+            "noul",
+            {"text": "sentence", "label": "label"},
+            label_map={1: True, 0: False},
+            yes_no=("The text expresses a positive opinion.", "The text expresses a negative opinion."),
+            instructions=(
+                "Is this review excerpt positive?",
+                "Does the writer like the film?",
+                "Is the opinion expressed here favourable?",
+            ),
+            negations=("Is this review excerpt negative?", "Does the writer dislike the film?"),
+            topic="sentiment",
+            local=LocalSpec("train-data:sst2/train.tsv", {"text": "sentence", "label": "label"}, format="glue_tsv"),
+            notes="SST-2 posed as yes/no",
+        ),
+        S(
+            "qnli",
+            "qnli",
+            "nyu-mll/glue",
+            "qnli",
+            "validation",
+            "noul",
+            "noul",
+            {"question": "question", "sentence": "sentence", "label": "label"},
+            state_roles=("question", "sentence"),
+            label_map={"entailment": True, "not_entailment": False, 0: True, 1: False},
+            yes_no=("The sentence answers the question.", "The sentence does not answer the question."),
+            instructions=(
+                "Does the sentence answer the question?",
+                "Does the sentence contain the answer to the question?",
+                "Can the question be answered from this sentence?",
+            ),
+            negations=(
+                "Does the sentence fail to answer the question?",
+                "Is the answer to the question missing from this sentence?",
+            ),
+            topic="nli",
+            negation_fraction=0.3,
+            aliases=("glue/qnli",),
+            # GLUE's test.tsv is unlabelled: the labelled dev.tsv is hash-split by the build
+            local=LocalSpec(
+                "train-data:qnli/dev.tsv",
+                {"question": "question", "sentence": "sentence", "label": "label"},
+                format="glue_tsv",
+            ),
+            notes="entailment posed as yes/no; offline from GLUE dev.tsv, hash-split",
         ),
         S(
             "race_correct",
@@ -1158,6 +1366,10 @@ def _specs() -> tuple[SourceSpec, ...]:
             instructions=_CORRECT_INSTR,
             negations=_CORRECT_NEG,
             topic="science_qa",
+            local=LocalSpec(
+                "train-data:openbookqa/train.jsonl",
+                {"question": "question.stem", "choices": "question.choices", "answer": "answerKey"},
+            ),
         ),
         S(
             "toxic_chat",
@@ -1339,6 +1551,9 @@ def _mcq(spec: SourceSpec, rec: Mapping[str, Any], position: int) -> tuple[str, 
             raise RecordError("malformed field 'answer'", f"{ans!r} is neither a letter nor an index")
     elif fmt == "choices":
         ch = rec["choices"]
+        if isinstance(ch, (list, tuple)) and all(isinstance(c, Mapping) and "label" in c and "text" in c for c in ch):
+            # the original JSONL files list one {"label", "text"} per choice (the hub has columns)
+            ch = {"label": [c["label"] for c in ch], "text": [c["text"] for c in ch]}
         if not isinstance(ch, Mapping) or "label" not in ch or "text" not in ch:
             raise RecordError("malformed field 'choices'", "expected {label: [...], text: [...]}")
         labels, options = _str_list(ch["label"], "choices"), _str_list(ch["text"], "choices")
@@ -1348,6 +1563,16 @@ def _mcq(spec: SourceSpec, rec: Mapping[str, Any], position: int) -> tuple[str, 
         if ans not in labels:
             raise RecordError("answer not among the choices", f"{ans!r} not in {labels}")
         gold = labels.index(ans)
+    elif fmt == "copa":
+        relation = question.lower()
+        if relation not in _COPA_QUESTIONS:
+            raise RecordError("malformed field 'question'", f"{question!r} is neither cause nor effect")
+        question = _COPA_QUESTIONS[relation]
+        options = [str(rec["choice1"]).strip(), str(rec["choice2"]).strip()]
+        ans = str(rec["answer"]).strip()
+        if ans not in ("0", "1"):
+            raise RecordError("malformed field 'answer'", f"{ans!r} is not 0 or 1")
+        gold = int(ans)
     else:  # "sciq" (the spec's checks allow no other format)
         correct = str(rec["correct"]).strip()
         distractors = [str(rec[f"distractor{i}"]).strip() for i in (1, 2, 3)]
@@ -1365,6 +1590,10 @@ def _mcq(spec: SourceSpec, rec: Mapping[str, Any], position: int) -> tuple[str, 
     if len(set(normalize_text(o) for o in options)) != len(options):
         raise RecordError("duplicate options")
     return context, question, options, gold
+
+
+# COPA asks for the premise's cause or effect; the question a built row shows names which
+_COPA_QUESTIONS = {"cause": "What was the cause of this?", "effect": "What happened as a result?"}
 
 
 def _swap_words(text: str, rng: HashRng) -> str | None:

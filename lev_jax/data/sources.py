@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from lev_jax.data.guard import default_eval_data_dir
+from lev_jax.data.guard import default_eval_data_dir, default_train_data_dir
 from lev_jax.data.registry import LocalSpec, SourceSpec, SpecError
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,17 @@ def _fmt_of(name: str) -> str:
             return fmt
     if base.endswith(".ndjson"):
         return "jsonl"
-    raise ValueError(f"cannot tell the format of {name!r}; pass format= (csv, tsv, jsonl, json, parquet)")
+    raise ValueError(f"cannot tell the format of {name!r}; pass format= ({', '.join(FORMATS)})")
+
+
+# Formats a name does not tell, given by a spec or --local-config's "format":
+# * glue_tsv: a header line, then tab-separated fields with no quoting (GLUE's TSVs: a field may
+#   start with a quote character, which the csv module would take as quoting and merge lines);
+# * csv_rows: a CSV without a header, each row a list (columns by index);
+# * label_line: ``label text`` per line (Kim 2014's SST files), each row [label, text];
+# * lines: parallel line files, one field each: the file itself, then every sibling file named in
+#   ``parts`` (SNIPS: ``seq.in`` with ``label``), each row [line of the file, line of each part].
+FORMATS = ("csv", "tsv", "jsonl", "json", "parquet", "glue_tsv", "csv_rows", "label_line", "lines")
 
 
 def _open_bytes(path: str) -> tuple[io.BufferedIOBase, str]:
@@ -121,6 +131,36 @@ def read_table(path: str, format: str | None = None, parts: Sequence[str] = ()) 
                     yield from data[part]
             else:
                 yield from data
+        elif fmt == "glue_tsv":
+            lines = io.TextIOWrapper(stream, encoding="utf-8", newline="")
+            header = next(lines, "").rstrip("\r\n").split("\t")
+            for line in lines:
+                if line.strip():
+                    yield dict(zip(header, line.rstrip("\r\n").split("\t")))
+        elif fmt == "csv_rows":
+            csv.field_size_limit(1 << 30)
+            yield from csv.reader(io.TextIOWrapper(stream, encoding="utf-8", newline=""))
+        elif fmt == "label_line":
+            for line in io.TextIOWrapper(stream, encoding="utf-8"):
+                if line.strip():
+                    label, _, text = line.strip().partition(" ")
+                    yield [label, text]
+        elif fmt == "lines":
+            files = [io.TextIOWrapper(stream, encoding="utf-8")]
+            if "::" in path:
+                raise ValueError(f"{path}: the lines format reads plain files, not archive members")
+            try:
+                files += [open(Path(name).parent / part, encoding="utf-8") for part in parts]
+                columns = [f.read().splitlines() for f in files]
+            finally:
+                for f in files[1:]:
+                    f.close()
+            if len({len(c) for c in columns}) != 1:
+                counts = ", ".join(f"{n} {len(c)}" for n, c in zip([Path(name).name, *parts], columns))
+                raise ValueError(f"{path}: parallel line files differ in length ({counts})")
+            for fields in zip(*columns):
+                if fields[0].strip():
+                    yield [f.strip() for f in fields]
         elif fmt == "parquet":
             try:
                 import pyarrow.parquet as pq
@@ -135,7 +175,20 @@ def read_table(path: str, format: str | None = None, parts: Sequence[str] = ()) 
 
 # Formats with one schema for every row: a mapped column missing from a row is missing from the
 # file, which is a wrong column map (raised), not a bad record.
-SCHEMA_FORMATS = ("csv", "tsv", "parquet")
+SCHEMA_FORMATS = ("csv", "tsv", "parquet", "glue_tsv")
+
+
+_MISSING = object()
+
+
+def _dotted(rec: Mapping[str, Any], col: str) -> Any:
+    """The field at dotted path ``col`` of a nested record, or _MISSING."""
+    cur: Any = rec
+    for key in col.split("."):
+        if not isinstance(cur, Mapping) or key not in cur:
+            return _MISSING
+        cur = cur[key]
+    return cur
 
 
 def map_roles(
@@ -153,6 +206,8 @@ def map_roles(
                 raise KeyError(f"column {i} (role {role!r}) not in a row of {len(rec)} fields")
         elif col in rec:
             out[role] = rec[col]
+        elif isinstance(col, str) and "." in col and (found := _dotted(rec, col)) is not _MISSING:
+            out[role] = found  # a nested field: "question.stem" (ARC, CommonsenseQA, OpenBookQA)
         elif strict:
             raise KeyError(f"column {col!r} (role {role!r}) not in record with columns {sorted(rec)}")
     return out
@@ -212,6 +267,9 @@ def discover_local(
     scheme, _, rest = ls.locator.partition(":")
     if scheme == "eval-data":
         path = Path(eval_data_dir or default_eval_data_dir()) / rest
+        found = str(path) if path.is_file() else None
+    elif scheme == "train-data":
+        path = default_train_data_dir() / rest
         found = str(path) if path.is_file() else None
     elif scheme == "package":
         dist, _, member = rest.partition(":")

@@ -17,6 +17,10 @@ exactly the token rows and label codes it is served:
 * a noul: the binary rows (target P(yes) = the rating target's expectation) or the 0..8 rating row
   (ordinal loss on), whichever `noul_readout` predict() serves.
 
+Layouts: every example in the planner's layout, or (a `Renderer` given a planner per layout and
+`mix`) each in a layout drawn per (seed, epoch, record) -- its own generator stream, so the draws
+above stay as they were -- with large choices in `large_layout` when it is set.
+
 Rows that share a token prefix continue one computed prefix (`group_rows`): with the state first,
 an example's option orders share its state; with the schema first and question-grouped batches
 (`question_keys`), every row of a question shares the whole question. Shapes are padded to a few
@@ -47,6 +51,7 @@ CODES = buckets.CODES
 MIN_ROWS, MIN_CODES = 2, 9
 MODE_INDEX = {m: i for i, m in enumerate(domain.READOUT_MODES)}
 ORDINAL_QTYPES = (domain.SCORE,)
+LAYOUT_STREAM = 1  # the layout draw's generator: [seed, epoch, index, LAYOUT_STREAM]
 
 
 @dataclasses.dataclass
@@ -60,6 +65,7 @@ class Example:
     ordinal: list[bool]  # per row: ordinal term on (score, noul rating)
     modes: list[int]  # per row: index into domain.READOUT_MODES
     source: str = ""
+    layout: str = ""  # the prompt layout it was rendered in
 
     @property
     def tokens(self) -> int:
@@ -94,7 +100,8 @@ def _rows_of(ro, target_n: np.ndarray, ordinal: bool, ex: Example) -> None:
 
 
 class Renderer:
-    """Records -> Examples through one Planner (the serving planner's settings)."""
+    """Records -> Examples through the serving planner's settings: one Planner, or one per layout
+    (`planners`, the same settings otherwise) with each example's layout drawn from `mix`."""
 
     def __init__(
         self,
@@ -105,23 +112,48 @@ class Renderer:
         max_tokens: int | None = None,
         mode_b_joint: bool = True,
         mode_b_options: int = 0,
+        planners: Mapping[str, Planner] | None = None,
+        mix: Sequence[str] = (),
+        large_layout: str = "",
     ):
         self.planner = planner
+        self.planners = {planner.layout: planner, **dict(planners or {})}
+        missing = sorted({*mix, *([large_layout] if large_layout else [])} - set(self.planners))
+        if missing:
+            raise ValueError(f"no planner for layout(s) {', '.join(missing)}")
+        self.mix = tuple(mix)
+        self.large_layout = large_layout
         self.seed = seed
         self.round2 = round2
         self.max_tokens = max_tokens
         self.mode_b_joint = mode_b_joint
         self.mode_b_options = mode_b_options
 
+    def layout_of(self, record: Mapping[str, Any], epoch: int, index: int) -> str:
+        """The layout record `index` is rendered in during `epoch`: a pure function of them and the
+        seed (a resumed run, any host, draws the same)."""
+        q = record["question"]
+        if self.large_layout and q["type"] == domain.CHOICE and domain.band_of(len(q["criteria"])) == "large":
+            return self.large_layout
+        if not self.mix:
+            return self.planner.layout
+        rng = np.random.default_rng([self.seed, int(epoch), int(index), LAYOUT_STREAM])
+        return self.mix[int(rng.integers(len(self.mix)))]
+
     def example(
-        self, record: Mapping[str, Any], rng: np.random.Generator, orders: dict[int, list[int]] | None = None
+        self,
+        record: Mapping[str, Any],
+        rng: np.random.Generator,
+        orders: dict[int, list[int]] | None = None,
+        layout: str | None = None,
     ) -> Example | None:
         """The record's rows, or None when its prefix + longest row exceeds `max_tokens`. `orders`
-        (a batch's, `batch`): the Mode B option order per option count, shared by the batch's records."""
-        p = self.planner
+        (a batch's, `batch`): the Mode B option order per option count, shared by the batch's records.
+        `layout`: the planner to render it with (default: the renderer's own)."""
+        p = self.planners[layout] if layout else self.planner
         text = p.state_text(record["state"])
         qp = p.question(text, "q", record["question"])
-        ex = Example(p.prefix_ids(text), [], [], [], [], [], record.get("source", ""))
+        ex = Example(p.prefix_ids(text), [], [], [], [], [], record.get("source", ""), p.layout)
         dist = np.asarray(record["target_dist"], np.float64)
         qtype = qp.question["type"]
         if qtype == domain.NOUL:
@@ -135,9 +167,9 @@ class Renderer:
             order = self.marked_order(dist, rng, orders)
             _rows_of(p.marked_readout(text, qp.question, order), _normalised_on(dist, order), False, ex)
             if self.mode_b_joint:
-                self.mode_a_rows(p.question(text, "q", record["question"], allow_b=False), text, dist, rng, ex)
+                self.mode_a_rows(p.question(text, "q", record["question"], allow_b=False), text, dist, rng, ex, p)
         else:
-            self.mode_a_rows(qp, text, dist, rng, ex)
+            self.mode_a_rows(qp, text, dist, rng, ex, p)
         if self.max_tokens is not None and ex.longest > self.max_tokens:
             return None
         return ex
@@ -165,10 +197,12 @@ class Renderer:
             orders[n] = [int(i) for i in rng.permutation(n)]
         return orders[n]
 
-    def mode_a_rows(self, qp, text: str, dist: np.ndarray, rng: np.random.Generator, ex: Example) -> None:
+    def mode_a_rows(
+        self, qp, text: str, dist: np.ndarray, rng: np.random.Generator, ex: Example, planner: Planner | None = None
+    ) -> None:
         """A choice or score read with label codes: its readout's rows, or a grouped choice's round 1
         (the gold's group) and round 2."""
-        p = self.planner
+        p = planner or self.planner
         if qp.groups is None:
             _rows_of(qp.readouts[0], dist, qp.question["type"] in ORDINAL_QTYPES, ex)
         else:
@@ -195,8 +229,10 @@ class Renderer:
     def batch(self, grain_batch: Mapping[str, Any]) -> tuple[list[Example], int]:
         """(examples, skipped) of a grain batch ({"rows", "index", "epoch", ...})."""
         out, skipped, orders = [], 0, {}
+        epoch = grain_batch["epoch"]
         for record, index in zip(grain_batch["rows"], grain_batch["index"]):
-            ex = self.example(record, self.rng(grain_batch["epoch"], int(index)), orders)
+            layout = self.layout_of(record, epoch, int(index))
+            ex = self.example(record, self.rng(epoch, int(index)), orders, layout)
             if ex is None:
                 skipped += 1
             else:
@@ -411,20 +447,28 @@ def _arrays(examples: Sequence[Example], groups: Sequence[Group], C: int, multip
     return out
 
 
-def question_keys(data_dir, split: str = "train") -> list[str]:
+def question_keys(data_dir, split: str = "train", min_count: int = 0) -> list[str]:
     """Per record of a split: its readout and a digest of its question. Batches keyed by these hold
-    one question each, so with the schema first all their rows share the question as one prefix."""
+    one question each, so with the schema first all their rows share the question as one prefix.
+    `min_count` > 0: a question fewer records ask is keyed by its readout alone (batched with the
+    other such questions of that readout): one-question batches need that many records of it."""
     import hashlib
     import json
+    from collections import Counter
 
     from lev_jax.data.build import read_split
 
-    return [
+    records = read_split(data_dir, split)
+    keys = [
         r["readout"]
         + "|"
         + hashlib.blake2b(json.dumps(r["question"], sort_keys=True).encode(), digest_size=8).hexdigest()
-        for r in read_split(data_dir, split)
+        for r in records
     ]
+    if min_count > 0:
+        counts = Counter(keys)
+        keys = [k if counts[k] >= min_count else k.split("|")[0] for k in keys]
+    return keys
 
 
 class _PlanSource:

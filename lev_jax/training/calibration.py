@@ -10,6 +10,7 @@ split is never read; `calibrate.fit` itself refuses split names that say test/ev
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -102,14 +103,34 @@ def build_strip_fraction(data_dir: Path) -> float:
     return float(manifest.get("config", {}).get("question", {}).get("strip_fraction", 0.0))
 
 
+def layout_of(record: dict, layout: str, layouts=(), large_layout: str = "", seed: int = 0) -> str:
+    """The layout a calibration record is read in, as a run trains it: a large choice in
+    `large_layout` (when set), anything else in one of `layouts` drawn per record (its uid), or the
+    run's `layout` -- so a run trained in both layouts is calibrated on both."""
+    q = record["question"]
+    if large_layout and q["type"] == domain.CHOICE and domain.band_of(len(q["criteria"])) == "large":
+        return large_layout
+    if not layouts:
+        return layout
+    return layouts[HashRng(seed, "calibration-layout", record["uid"]).randbelow(len(layouts))]
+
+
 def records(
-    data_dir: Path, limit: int, seed: int = 0, readouts=(), full_sets: bool = False, strip_fraction: float = 0.0
+    data_dir: Path,
+    limit: int,
+    seed: int = 0,
+    readouts=(),
+    full_sets: bool = False,
+    strip_fraction: float = 0.0,
+    layout: Callable[[dict], str] | None = None,
 ) -> list[dict]:
     """About `limit` labelled calibration-split records: a seeded shuffle (not a head slice), spread
     evenly over the temperature buckets (question type, readout, option band), each given at least
     `calibrate.MIN_ROWS` where the split has them, so no bucket is left at T = 1 for want of rows.
     `full_sets`: large taxonomies asked with every option (`full_set`), as such a run trains them;
-    `strip_fraction`: choices without their option descriptions as often as the run trains them (`stripped`)."""
+    `strip_fraction`: choices without their option descriptions as often as the run trains them (`stripped`);
+    `layout`: each record's layout (`layout_of`), kept in its "layout" field and spread over like a
+    bucket, so every bucket has rows in every layout it is trained in."""
     from lev_jax.data.build import read_split
 
     rows = [
@@ -117,12 +138,14 @@ def records(
         for r in read_split(data_dir, SPLIT)
         if _gold(r) is not None and (not readouts or r["readout"] in readouts)
     ]
+    if layout is not None:
+        rows = [{**r, "layout": layout(r)} for r in rows]
     order = hash_order([r["uid"] for r in rows], seed, "calibration-sample")
     by_bucket: dict[tuple, list[dict]] = {}
     for i in order:
         r = rows[i]
         band = r["band"] if r["question"]["type"] in domain.BANDED_QTYPES else None
-        by_bucket.setdefault((r["readout"], band), []).append(r)
+        by_bucket.setdefault((r["readout"], band, r.get("layout") if layout is not None else None), []).append(r)
     quota = max(calibrate.MIN_ROWS, limit // max(len(by_bucket), 1))
     return [r for key in sorted(by_bucket, key=str) for r in by_bucket[key][:quota]]
 
@@ -193,28 +216,35 @@ def fit_run(cfg, run_dir: Path, backbone, data_dir: Path, *, out: Callable[[str]
         cfg.readouts,
         full_sets=cfg.data_full_set_fraction >= 1.0,
         strip_fraction=build_strip_fraction(data_dir),
+        layout=lambda r: layout_of(r, cfg.layout, cfg.layouts, cfg.large_layout, cfg.seed),
     )
     if not recs:
         out("calibration: the calibration split has no labelled record; no temperatures fitted")
         return None
-    kw = dict(
-        prompt_style=cfg.prompt_style,
-        layout=cfg.layout,
-        noul_readout=cfg.noul_readout,
-        option_averaging=cfg.option_averaging,
-        model_name=backbone.name,
-    )
-    # the run's head (if any) reads what it will serve
-    engine = Engine(backbone, mode_b_min_options=cfg.mode_b_min_options, **kw)
-    rows = collect(engine, recs)
-    routed_b = [r for r in recs if routes_b(engine, r)]
-    if routed_b:
-        # ...and those choices read by label codes too: a caller can switch the head off
-        # (`load(mode_b=False)`; levbench agree compares the two), and without temperatures of its own
-        # a large letter readout would fall back to the small choices' bucket
-        rows += collect(Engine(backbone, mode_b=False, **kw), routed_b)
+    rows = []
+    # one temperature per bucket, fitted on the rows of every layout the run trains (each record in
+    # its own): an engine per layout reads its records as it would serve them
+    for layout in dict.fromkeys(r["layout"] for r in recs):
+        mine = [r for r in recs if r["layout"] == layout]
+        kw = dict(
+            prompt_style=cfg.prompt_style,
+            layout=layout,
+            noul_readout=cfg.noul_readout,
+            option_averaging=cfg.option_averaging,
+            model_name=backbone.name,
+        )
+        # the run's head (if any) reads what it will serve
+        engine = Engine(backbone, mode_b_min_options=cfg.mode_b_min_options, **kw)
+        rows += collect(engine, mine)
+        routed_b = [r for r in mine if routes_b(engine, r)]
+        if routed_b:
+            # ...and those choices read by label codes too: a caller can switch the head off
+            # (`load(mode_b=False)`; levbench agree compares the two), and without temperatures of its
+            # own a large letter readout would fall back to the small choices' bucket
+            rows += collect(Engine(backbone, mode_b=False, **kw), routed_b)
     cal = calibrate.fit(rows, splits=[SPLIT_NAME], model_id=backbone.name)
     path = cal.save(run_dir)
     temps = ", ".join(f"{k} T={t:.2f}" for k, t in cal.describe()["temperatures"].items())
-    out(f"calibration: {len(rows)} rows from {len(recs)} calibration-split records -> {path} ({temps})")
+    layouts = ", ".join(f"{k} {v}" for k, v in Counter(r["layout"] for r in recs).items())
+    out(f"calibration: {len(rows)} rows from {len(recs)} calibration-split records ({layouts}) -> {path} ({temps})")
     return cal

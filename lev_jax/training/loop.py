@@ -428,7 +428,7 @@ def data_iterator(cfg: TrainConfig, data_dir: Path, renderer: batches.Renderer):
 
     try:
         if cfg.group_by_question:
-            keys = batches.question_keys(data_dir)
+            keys = batches.question_keys(data_dir, min_count=cfg.question_group_min)
             keep = [not cfg.readouts or k.split("|")[0] in cfg.readouts for k in keys]
             return batches.keyed_iterator(
                 data_dir,
@@ -488,17 +488,23 @@ def train(
     from lev_jax.readout import Planner
 
     warn = warn or out
-    planner = Planner(
-        backbone.tokenizer,
-        prompt_style=cfg.prompt_style,
-        layout=cfg.layout,
-        noul_readout=cfg.noul_readout,
-        option_averaging=cfg.option_averaging,
-        mode_b=cfg.mode_b,
-        mode_b_min_options=cfg.mode_b_min_options,
-    )
+    planners = {
+        layout: Planner(
+            backbone.tokenizer,
+            prompt_style=cfg.prompt_style,
+            layout=layout,
+            noul_readout=cfg.noul_readout,
+            option_averaging=cfg.option_averaging,
+            mode_b=cfg.mode_b,
+            mode_b_min_options=cfg.mode_b_min_options,
+        )
+        for layout in dict.fromkeys((cfg.layout, *cfg.layouts, *([cfg.large_layout] if cfg.large_layout else [])))
+    }
     renderer = batches.Renderer(
-        planner,
+        planners[cfg.layout],
+        planners=planners,
+        mix=cfg.layouts,
+        large_layout=cfg.large_layout,
         seed=cfg.seed,
         round2=cfg.round2,
         max_tokens=cfg.max_tokens,

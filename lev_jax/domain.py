@@ -63,8 +63,10 @@ MAX_REQUEST_TOKENS = 65536  # the state once plus every question row
 MAX_IMAGES_PER_REQUEST = 8  # image placeholders a request's state may use (each occurrence counts)
 MAX_IMAGE_BYTES = 16 << 20  # encoded bytes of one image asset
 # width x height an image may declare in its header: a larger one is refused before it is decoded
-# (a 20000 x 20000 PNG is a few KB of bytes and 1.6 GB of pixels)
-MAX_IMAGE_PIXELS = 40_000_000
+# (a 20000 x 20000 PNG is a few KB of bytes and 1.6 GB of pixels). 24 MP takes a 6000 x 4000 camera
+# photo; a PNG is decoded whole before it is reduced (images.py), ~100 MB at this size, where 40 MP
+# took ~730 MB through the conversions
+MAX_IMAGE_PIXELS = 24_000_000
 # the default pixel budget per image: an image is resized (aspect kept) to at most this many pixels
 # before the vision tower, so its cost in image tokens is bounded
 IMAGE_PIXEL_BUDGET = 512 * 512

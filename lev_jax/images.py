@@ -8,7 +8,15 @@ Qwen3.5 (like Qwen3-VL) checkpoints use transformers' Qwen2-VL image processor; 
 PIL/numpy backend (`Qwen2VLImageProcessorPil`, no torchvision needed), so pixel values are exactly
 what the reference model is fed. What is done here is everything before it: bytes and declared
 pixels checked before any decoding (a 20000 x 20000 PNG header is a few KB of bytes), PNG / JPEG only,
-EXIF orientation, RGB conversion, and every failure turned into an ImageError naming the asset.
+decoding bounded by the pixel budget (below), EXIF orientation, RGB conversion, and every failure
+turned into an ImageError naming the asset.
+
+Decoding costs memory by the pixels an image declares, not by its bytes (a 129 KB PNG of 40 MP
+decoded to ~730 MB). So an image much larger than the budget is decoded smaller: a JPEG at a DCT
+scale (PIL's `draft`: 1/2 to 1/8 while decoding, the full size never allocated), any other format
+box-reduced by an integer factor right after decoding (`reduce`), before the copies that orientation
+and RGB conversion make. Either way at least 2x the budget's side is kept for the processor's own
+resize; an image within 16x the budget's pixels is decoded as it always was.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import math
 import threading
 from pathlib import Path
 
@@ -160,7 +169,7 @@ class ImagePreprocessor:
         """Decode one asset and preprocess it. ImageTooLargeError for bytes or declared pixels over
         the domain limits (before decoding); ImageError for anything else that is not a readable PNG
         or JPEG. Both name the asset."""
-        rgb = decode_rgb(alias, data)
+        rgb = decode_rgb(alias, data, budget=self.pixel_budget)
         h, w = rgb.shape[:2]
         digest = hashlib.sha256()
         digest.update(f"{self.fingerprint}\n{w}x{h}\n".encode())
@@ -196,12 +205,14 @@ class ImagePreprocessor:
         }
 
 
-def decode_rgb(alias: str, data: bytes) -> np.ndarray:
+def decode_rgb(alias: str, data: bytes, budget: int | None = None) -> np.ndarray:
     """An asset's pixels as uint8 RGB [height, width, 3], upright (EXIF orientation applied).
 
     Limits come first: bytes before opening, the header's width x height before any pixel is
     decoded. PIL's own decompression-bomb check (at twice its MAX_IMAGE_PIXELS, left as it is: it is
-    process-wide) can fire inside open; it is reported as the same ImageTooLargeError."""
+    process-wide) can fire inside open; it is reported as the same ImageTooLargeError. `budget`: the
+    pixels the image will be resized to at most; an image over 16x that is decoded smaller (JPEG
+    draft, else reduce), keeping at least 4x the budget's pixels."""
     data = bytes(data)
     if len(data) > domain.MAX_IMAGE_BYTES:
         raise ImageTooLargeError(
@@ -236,12 +247,42 @@ def decode_rgb(alias: str, data: bytes) -> np.ndarray:
         if w < 1 or h < 1:
             raise ImageError(f"Asset {alias!r}: a {w}x{h} image has no pixels")
         try:
+            keep = None if budget is None else _decoded_size(w, h, budget)
+            if keep is not None and im.format in ("JPEG", "MPO"):
+                im.draft(im.mode, keep)  # DCT scaling: decoded at >= keep, never at full size
             im.load()
+            if keep is not None:
+                im = _reduced(im, keep)
             upright = ImageOps.exif_transpose(im)
             return _to_rgb(upright)
         except Exception as e:  # truncated or corrupt data: PIL's decoders raise OSError, SyntaxError,
             # ValueError, struct.error, EOFError, IndexError... depending on the format and the damage
             raise ImageError(f"Asset {alias!r}: corrupt or truncated {im.format} image ({_one_line(e)})") from None
+
+
+def _decoded_size(w: int, h: int, budget: int) -> tuple[int, int] | None:
+    """The smallest size an image of w x h need be decoded at for a resize to `budget` pixels: 2x the
+    resized sides (aspect kept), or None when the image is within 16x the budget (decoded whole)."""
+    if w * h <= 16 * budget:
+        return None
+    scale = 2 * math.sqrt(budget / (w * h))
+    return max(1, math.ceil(w * scale)), max(1, math.ceil(h * scale))
+
+
+def _reduced(im: Image.Image, keep: tuple[int, int]) -> Image.Image:
+    """`im` box-reduced by the largest integer factor that keeps both sides >= `keep` (a JPEG drafted
+    already is left as its draft made it, or reduced further)."""
+    factor = min(im.size[0] // keep[0], im.size[1] // keep[1])
+    if factor < 2:
+        return im
+    if im.mode == "P":  # a palette has no averages: reduce its colours (the RGB conversion would anyway)
+        im = im.convert("RGBA")
+    elif im.mode.startswith("I;16"):  # 16-bit grey: reduce works on 32-bit integers
+        im = im.convert("I")
+    try:
+        return im.reduce(factor)
+    except ValueError:  # a mode reduce does not take (CMYK): convert first, then reduce
+        return im.convert("RGB").reduce(factor)
 
 
 def _to_rgb(im: Image.Image) -> np.ndarray:

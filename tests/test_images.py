@@ -256,7 +256,7 @@ def test_declared_pixels_over_the_limit_are_refused_before_decoding(pre, side, w
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("error" if warnings_are_errors else "ignore", Image.DecompressionBombWarning)
-        with pytest.raises(ImageTooLargeError, match=r"^Asset 'bomb': .*limit of 40,000,000 pixels"):
+        with pytest.raises(ImageTooLargeError, match=r"^Asset 'bomb': .*limit of 24,000,000 pixels"):
             pre.prepare("bomb", data)
     assert time.perf_counter() - start < 0.5  # refused from the header, nothing allocated
     assert Image.MAX_IMAGE_PIXELS == limit_before  # PIL's process-wide limit is left alone
@@ -391,3 +391,58 @@ def test_cache_is_thread_safe():
     assert not errors
     assert s["hits"] + s["misses"] == 8 * 2000
     assert s["bytes"] <= s["max_bytes"] and s["bytes"] == s["entries"] * 16 * 16
+
+
+# -- decoding bounded by the pixel budget ----------------------------------------------------------
+
+
+def _smooth(h, w):
+    """A picture with no detail finer than a few hundred pixels: what a downscale keeps."""
+    y, x = np.mgrid[0:h, 0:w]
+    return np.stack([x * 255 // w, y * 255 // h, (x + y) * 127 // (w + h)], axis=2).astype(np.uint8)
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
+def test_a_large_image_is_decoded_no_larger_than_the_budget_needs(pre, fmt, monkeypatch):
+    """A 6000 x 4000 image for a 512 x 512 budget is decoded at a quarter of each side (a JPEG by its
+    DCT scale, never at full size; a PNG reduced as soon as it is decoded), keeping at least twice
+    the budget's side; what the processor then makes of it is what it makes of the full decode."""
+    from PIL import JpegImagePlugin
+
+    drafts = []
+    real_draft = JpegImagePlugin.JpegImageFile.draft
+    monkeypatch.setattr(
+        JpegImagePlugin.JpegImageFile, "draft", lambda im, *a: drafts.append(real_draft(im, *a)) or drafts[-1]
+    )
+    data = encode(Image.fromarray(_smooth(4000, 6000)), fmt, **({"quality": 95} if fmt == "JPEG" else {}))
+    rgb = decode_rgb("big", data, budget=pre.pixel_budget)
+    assert rgb.shape == (1000, 1500, 3)  # 1/4 of each side: >= 2x the budget's (~418 x 627)
+    if fmt == "JPEG":
+        assert drafts and drafts[-1][1][2:] == (1500, 1000)  # decoded at 1/4 scale, not decoded whole
+    full = decode_rgb("big", data)  # no budget: the whole picture
+    assert full.shape == (4000, 6000, 3)
+    img, ref = pre.prepare("big", data), reference(full, pre)
+    assert img.grid_thw == tuple(int(x) for x in ref["image_grid_thw"][0])
+    assert np.abs(img.pixel_values - ref["pixel_values"]).mean() < 0.02  # of a [-1, 1] range
+
+
+def test_an_image_within_16x_the_budget_is_decoded_whole(pre):
+    rgb = pixels(1500, 2000)  # 3 MP: under 16 x 512 x 512
+    np.testing.assert_array_equal(decode_rgb("mid", encode(Image.fromarray(rgb)), budget=pre.pixel_budget), rgb)
+
+
+@pytest.mark.parametrize("mode", ["P", "I;16", "LA", "CMYK"])
+def test_reduced_decoding_keeps_every_mode(mode):
+    big = Image.fromarray(_smooth(2400, 2400))
+    im = {
+        "P": big.convert("P"),
+        "I;16": Image.fromarray(np.asarray(big.convert("L")).astype(np.uint16) * 257),
+        "LA": big.convert("LA"),
+        "CMYK": big.convert("CMYK"),
+    }[mode]
+    data = encode(im, "JPEG" if mode == "CMYK" else "PNG")
+    rgb = decode_rgb("m", data, budget=64 * 64)
+    assert rgb.dtype == np.uint8 and rgb.shape[2] == 3 and 128 <= rgb.shape[0] <= 2400 // 2
+    whole = decode_rgb("m", data)
+    small = np.asarray(Image.fromarray(whole).resize(rgb.shape[1::-1], Image.Resampling.BOX))
+    assert np.abs(rgb.astype(int) - small.astype(int)).mean() < 6

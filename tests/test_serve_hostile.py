@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import gzip
 import json
+import re
 import threading
 import time
 
@@ -192,3 +193,48 @@ def test_no_warning_on_loopback(host):
 def test_a_warning_when_exposed_without_keys(host):
     assert "auth off" in exposure_warning(host, frozenset())
     assert exposure_warning(host, frozenset({"k"})) is None
+
+
+@pytest.fixture(scope="module")
+def loopback_only(stub):
+    with ThreadServer(create_app(stub, ServerConfig(loopback_hosts_only=True))) as s:
+        yield s
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:8000", "192.168.1.7", "localhost.evil.example"])
+def test_a_loopback_server_without_keys_refuses_other_host_names(loopback_only, host):
+    """DNS rebinding: a page whose name resolves to 127.0.0.1 reaches the server with its own Host."""
+    for r in (
+        httpx.get(loopback_only.url + "/health", headers={"host": host}),
+        httpx.post(loopback_only.url + "/v1/systemone", json=request(), headers={"host": host}),
+    ):
+        assert r.status_code == 421 and r.json()["detail"]["error_type"] == "api_usage_error", r.text
+        assert "not a loopback name" in r.json()["detail"]["message"]
+        assert r.headers["x-typesafe-request-id"].startswith("req_")
+
+
+@pytest.mark.parametrize("host", ["localhost", "127.0.0.1", "127.0.0.2:9", "[::1]:8000", "LOCALHOST"])
+def test_a_loopback_server_answers_loopback_host_names(loopback_only, host):
+    assert httpx.get(loopback_only.url + "/health", headers={"host": host}).status_code == 200
+
+
+def test_serve_checks_host_names_when_bound_to_loopback_without_keys(monkeypatch):
+    from lev_jax.server import cli
+
+    def config(host, keys=""):
+        monkeypatch.setenv("LEV_API_KEYS", keys)
+        parser = cli.build_parser()
+        return cli.config_from_args(parser.parse_args(["--host", host]), parser)
+
+    assert config("127.0.0.1").loopback_hosts_only and config("localhost").loopback_hosts_only
+    assert not config("127.0.0.1", keys="k1").loopback_hosts_only  # a key is the check then
+    assert not config("0.0.0.0").loopback_hosts_only  # reached under any name (and warned about)
+
+
+def test_arbitrary_method_names_create_no_metric_series(server):
+    with httpx.Client() as client:
+        for i in range(30):
+            assert client.request(f"X{i}FOO", server.url + "/v1/systemone").status_code in (400, 405, 501)
+        text = client.get(server.url + "/metrics").text
+    methods = set(re.findall(r'lev_http_requests_total\{method="([^"]*)"', text))
+    assert "other" in methods and methods <= {"GET", "POST", "HEAD", "other"}, methods

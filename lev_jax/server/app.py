@@ -13,6 +13,7 @@ import asyncio
 import functools
 import hmac
 import inspect
+import ipaddress
 import logging
 import math
 import os
@@ -76,10 +77,58 @@ class ServerConfig:
     warmup_budget_s: float = 0.0
     # where to keep the shape log (warmup.ShapeLog): the compilation cache directory in use; None: no log
     shape_log_dir: str | None = None
+    # answer only requests whose Host names a loopback address or localhost (421 otherwise): what
+    # `lev serve` sets when bound to loopback with auth off, so that a web page whose name rebinds to
+    # 127.0.0.1 (DNS rebinding) cannot use the server through a visitor's browser
+    loopback_hosts_only: bool = False
 
 
 class _ClientGone(Exception):
     pass
+
+
+# The HTTP methods a request may be counted under; any other name a client sends is counted as
+# "other", so that arbitrary method names cannot create metric series without bound.
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH", "TRACE", "CONNECT"})
+
+
+def is_loopback_name(host: str) -> bool:
+    """Whether a host (an address, a name, or a Host header's value with its port) is loopback:
+    127.0.0.0/8, ::1 (bracketed or not) or localhost."""
+    host = host.strip().lower()
+    if host.startswith("["):  # [::1]:8000
+        host = host[1 : host.find("]")] if "]" in host else host
+    elif host.count(":") == 1:  # localhost:8000, 127.0.0.1:8000 (a bare IPv6 address has more colons)
+        host = host.rsplit(":", 1)[0]
+    if host in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # another name: it may resolve anywhere, and a page may make it resolve here
+        return False
+
+
+class LoopbackHostsOnly:
+    """Pure ASGI middleware: a request whose Host header names anything but loopback is answered 421
+    before routing (a request without one, not a browser's, passes)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            host = next((v.decode("latin-1") for k, v in scope.get("headers", []) if k == b"host"), None)
+            if host is not None and not is_loopback_name(host):
+                shown = host if len(host) <= 100 else host[:100] + "..."
+                resp = _error_response(
+                    421,
+                    E.API_USAGE,
+                    f"Host {shown!r} is not a loopback name: this server is bound to loopback with auth off and "
+                    f"answers requests addressed to localhost or a loopback address only (set ${API_KEYS_ENV} to "
+                    "serve other names)",
+                )
+                return await resp(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 def _error_response(status: int, error_type: str, message: str, headers: dict | None = None) -> JSONResponse:
@@ -122,7 +171,9 @@ class RequestContext:
             route = scope.get("route")
             path = getattr(route, "path", None) or "unmatched"
             code = status["code"] or 499  # no response started: the client went away
-            self.metrics.observe_request(scope.get("method", ""), path, code, time.perf_counter() - t0)
+            method = scope.get("method", "")
+            method = method if method in _METHODS else "other"
+            self.metrics.observe_request(method, path, code, time.perf_counter() - t0)
 
 
 def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> FastAPI:
@@ -196,6 +247,8 @@ def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> Fa
     app.state.warmup = warmup
     app.state.metrics = metrics
     app.state.config = cfg
+    if cfg.loopback_hosts_only:  # inside RequestContext: a refusal has a request id and is counted
+        app.add_middleware(LoopbackHostsOnly)
     app.add_middleware(RequestContext, metrics=metrics)
 
     # -- error shapes (a 422 is FastAPI's own RequestValidationError answer: that shape is the contract)

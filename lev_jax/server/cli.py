@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import ipaddress
 import logging
 import sys
 import time
 
 from lev_jax import domain, runtime
-from lev_jax.server.app import API_KEYS_ENV, ServerConfig, api_keys_from_env, create_app
+from lev_jax.server.app import API_KEYS_ENV, ServerConfig, api_keys_from_env, create_app, is_loopback_name
 from lev_jax.server.warmup import DEFAULT_BUDGET_S
 
 log = logging.getLogger("lev_jax.server")
@@ -47,21 +46,12 @@ def uvicorn_config(app, *, host: str, port: int, log_level: str = "info", drain_
 def exposure_warning(host: str, api_keys) -> str | None:
     """The warning for a server others can reach with auth off: bound beyond loopback (an address
     that is not 127.0.0.0/8 or ::1, a wildcard, or a host name other than localhost) without keys."""
-    if api_keys or _loopback(host):
+    if api_keys or is_loopback_name(host):
         return None
     return (
         f"serving on {host} with auth off: anyone who can reach this address can use the server; "
         f"set ${API_KEYS_ENV} or bind to 127.0.0.1"
     )
-
-
-def _loopback(host: str) -> bool:
-    if host.lower() in ("localhost", "localhost."):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:  # a host name: it may resolve anywhere
-        return False
 
 
 PROG = "lev serve"  # how the installed console script runs this; serve/__main__.py passes its own
@@ -212,7 +202,9 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         watchdog_s=args.watchdog,
         max_body_bytes=int(args.max_body_mb * 2**20),
         drain_timeout_s=args.drain_timeout,
-        api_keys=api_keys_from_env(),
+        api_keys=(keys := api_keys_from_env()),
+        # bound to loopback with auth off: a browser page must not reach it under another name
+        loopback_hosts_only=is_loopback_name(args.host) and not keys,
         warmup_budget_s=0.0 if args.no_warmup else args.warmup_budget,
     )
 

@@ -334,6 +334,38 @@ def test_qwen_nfc(qwen):
     assert qwen.encode("\u212b") == qwen.encode("\u00c5")
 
 
+@pytest.mark.parametrize(
+    "text", ["e\u0301", "\u212b", "A\u030a\u0327", "\u1100\u1161\u11a8", "q\u0323\u0307" * 5, "a" + "\u0301" * 30]
+)
+def test_nfc_is_unicodedata_s_on_every_ordinary_text(text):
+    import unicodedata
+
+    from lev_jax.tokenizer import nfc
+
+    assert nfc(text) == unicodedata.normalize("NFC", text)
+
+
+def test_a_long_run_of_combining_marks_is_normalised_in_bounded_pieces(qwen, monkeypatch):
+    """Python's NFC reorders a run of marks by insertion sort (quadratic in the run: a state of 262k
+    mixed marks held a server for minutes); runs over the stream-safe limit are normalised in pieces."""
+    import unicodedata
+
+    from lev_jax import tokenizer as T
+
+    marks = "".join(chr(0x300 + (i * 7) % 0x30) for i in range(5000))  # mixed combining classes
+    text = "Zalgo: a" + marks + " and then plain text."
+    sizes = []
+    real = unicodedata.normalize
+    monkeypatch.setattr(T.unicodedata, "normalize", lambda form, s: sizes.append(len(s)) or real(form, s))
+    ids = qwen.encode(text)
+    assert sizes and max(sizes) <= len("Zalgo: a") + T.MAX_COMBINING_RUN  # never the whole run at once
+    monkeypatch.undo()
+    out = T.nfc(text)
+    assert qwen.decode(ids) == out and out.startswith("Zalgo: ") and out.endswith(" and then plain text.")
+    # canonically equivalent to the input within each piece: the marks are all still there
+    assert sorted(unicodedata.normalize("NFD", out)) == sorted(unicodedata.normalize("NFD", text))
+
+
 def test_qwen_special_ids(qwen, qwen_ref):
     assert qwen.token_to_id("<|im_start|>") == 248045 == qwen_ref.im_start_id
     assert qwen.token_to_id("<|im_end|>") == 248046 == qwen_ref.im_end_id

@@ -74,8 +74,8 @@ import dataclasses
 import datetime as _dt
 import json
 import math
-import os
 import re
+import shutil
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -83,7 +83,7 @@ from typing import Any
 
 import numpy as np
 
-from lev_jax import metrics
+from lev_jax import durable, metrics
 from lev_jax.domain import (
     BAND_RANGES,
     BANDED_QTYPES,
@@ -664,9 +664,11 @@ class Calibration:
             while (d / f"calibration.{stamp}.json").exists() or (d / f"calibration_report.{stamp}.md").exists():
                 i += 1
                 stamp = f"{base}-{i}"
-            os.replace(target, d / f"calibration.{stamp}.json")
+            # copied, not moved: the old profile stays in place until the new one replaces it whole,
+            # so a save that fails (a full disk) leaves a calibration, never none
+            shutil.copy2(target, d / f"calibration.{stamp}.json")
             if report.exists():
-                os.replace(report, d / f"calibration_report.{stamp}.md")
+                shutil.copy2(report, d / f"calibration_report.{stamp}.md")
         _atomic_write(target, self.to_json())
         _atomic_write(report, self.report_markdown())
         self.path = target
@@ -781,6 +783,4 @@ def _stamp_of(path: Path) -> str:
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    durable.write_text(path, text)  # fsynced before the rename: a crash leaves the old file or the new

@@ -362,3 +362,20 @@ def test_load_or_identity_and_describe(tmp_path):
     bad["buckets"][0]["temperature"] = 0.0
     with pytest.raises(ValueError):
         C.Calibration(bad)
+
+
+def test_a_failed_save_keeps_the_previous_profile(tmp_path, monkeypatch):
+    """The old profile stays in place until the new one replaces it whole: a save that fails (a full
+    disk) leaves a calibration.json, never none (a run without one is served uncalibrated)."""
+    rng = np.random.default_rng(9)
+    C.fit(choice_rows(rng, 200, 2.0), splits=["calib"], model_id="m", fit_date=DATE1).save(tmp_path)
+    before = (tmp_path / "calibration.json").read_text()
+    second = C.fit(choice_rows(rng, 200, 1.5), splits=["calib"], model_id="m", fit_date=DATE2)
+
+    def full_disk(path, text):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(C.durable, "write_text", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        second.save(tmp_path)
+    assert (tmp_path / "calibration.json").read_text() == before

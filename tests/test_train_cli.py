@@ -193,3 +193,28 @@ def test_training_warns_before_it_starts_when_the_plan_exceeds_the_device(tmp_pa
     captured = capsys.readouterr()
     warned = [line for line in captured.out.splitlines() if line.startswith("warning: preset 'tiny' needs")]
     assert len(warned) == 1 and "--set " in warned[0] and "max_tokens" in captured.err
+
+
+def test_a_second_trainer_on_a_run_directory_refuses_at_once(tmp_path):
+    """While a trainer holds RUN_DIR/.lock (here: this process, through the trainer's own lock), a second
+    `python -m train --out RUN_DIR` exits 2 with one line naming the lock, having written nothing."""
+    from lev_jax.training import run
+
+    out = tmp_path / "run"
+    env = {**os.environ, runtime.CACHE_ENV: "", "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu"}
+    with run.lock(out) as lock_path:
+        p = subprocess.run(
+            [sys.executable, "-m", "train", "--preset", "tiny", "--out", str(out), "--steps", "2"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert p.returncode == 2, p.stderr[-2000:]
+        err = p.stderr.strip()
+        assert len(err.splitlines()) == 1 and str(lock_path) in err and f"pid {os.getpid()}" in err, err
+        assert sorted(x.name for x in out.iterdir()) == [".lock"]  # no config, data or checkpoint written
+    # the lock goes with its holder: the next trainer takes it
+    with run.lock(out):
+        pass

@@ -186,6 +186,46 @@ def test_rerun_resumes_and_fresh_moves_the_run_aside(trained, tmp_path):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2"]
 
 
+def test_a_failed_calibration_save_fails_the_run_and_serving_it_says_uncalibrated(trained, tmp_path, caplog):
+    """A calibration that cannot be saved (a full disk) is an error in one line, not a run that passes
+    for calibrated; the run served meanwhile warns that it is uncalibrated."""
+    import logging
+    import shutil
+
+    import lev_jax
+
+    run, _ = trained
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    for fitted in copy.glob("calibration*"):  # the run's fit, not its data's calibration split
+        fitted.unlink()
+    full_disk = (
+        "import sys\n"
+        "import lev_jax.calibrate as C\n"
+        "def save(self, directory):\n"
+        "    raise OSError(28, 'No space left on device')\n"
+        "C.Calibration.save = save\n"
+        "from lev_jax.training.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", full_disk, "--preset", "tiny", "--out", str(copy)],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    err = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(err) == 1, p.stderr[-3000:]
+    assert "could not be saved" in err[0] and "No space left" in err[0] and "uncalibrated" in err[0]
+    assert not (copy / "calibration.json").exists()
+    with caplog.at_level(logging.WARNING, logger="lev_jax.training.run"):
+        engine = lev_jax.load(str(copy))
+    assert not engine.info()["calibrated"]
+    assert any("serving uncalibrated" in r.getMessage() for r in caplog.records), caplog.text
+
+
 def test_exact_resume_after_kill_9(tmp_path):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     args = ["--steps", "8", "--checkpoint-every", "4", *FAST]

@@ -31,6 +31,8 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 
+from lev_jax import durable
+
 log = logging.getLogger(__name__)
 
 ITEMS = ("trainable", "opt_state", "train", "meta", "data")
@@ -48,9 +50,7 @@ def _handlers() -> dict:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    durable.write_text(path, json.dumps(obj, indent=1) + "\n")  # fsynced before the rename
 
 
 class Checkpoints:
@@ -111,6 +111,11 @@ class Checkpoints:
         )
         self.mngr.save(step, args=args, force=True)
         self.mngr.wait_until_finished()
+        # Orbax renames the finished step into place without an fsync: persist its files and the
+        # rename before history.json names the step
+        if jax.process_index() == 0 and self.path(step).is_dir():
+            durable.fsync_tree(self.path(step))
+            durable.fsync_dir(self.dir)
         return self.path(step)
 
     # -- restoring -------------------------------------------------------------------------------

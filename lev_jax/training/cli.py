@@ -15,6 +15,7 @@ one of its checkpoints/<step>). Bad input is one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import os
@@ -239,11 +240,29 @@ def train_main(argv: Sequence[str], out=print) -> int:
     args = _train_parser().parse_args(argv)
     run_dir = Path(args.out)
     cfg = resolve_config(args, run_dir)
-    # only now that the command line is good: a bad one (or an in-process caller's) leaves the
-    # process's JAX configuration (its compilation cache above all) as it was
-    setup_runtime()
+    from lev_jax.training import run
+
+    # one trainer per run directory, taken before anything starts: a second one refuses at once, in
+    # one line. Where several hosts train one run, its first process holds it (after jax.distributed
+    # says which one that is)
+    distributed = os.environ.get(DISTRIBUTED_ENV) == "1"
+    with contextlib.ExitStack() as held:
+        if not distributed:
+            held.enter_context(run.lock(run_dir))
+        # only now that the command line is good: a bad one (or an in-process caller's) leaves the
+        # process's JAX configuration (its compilation cache above all) as it was
+        setup_runtime()
+        import jax
+
+        if distributed and jax.process_index() == 0:
+            held.enter_context(run.lock(run_dir))
+        return _train(args, cfg, run_dir, out)
+
+
+def _train(args, cfg, run_dir: Path, out) -> int:
     import jax
 
+    from lev_jax.errors import CheckpointError
     from lev_jax.training import calibration, loop, run
     from lev_jax.training import mesh as mesh_lib
 
@@ -273,9 +292,18 @@ def train_main(argv: Sequence[str], out=print) -> int:
     summary = loop.train(cfg, run_dir, base, data_dir, mesh=mesh, resume=resume, start_adapter=stager, out=out)
     trained = summary.pop("state", None) is not None
     summary.pop("trainer", None)  # free the device copies before calibrating
-    if cfg.calibrate and (trained or not (run_dir / "calibration.json").is_file()):
-        bb, _, meta = run.load_run(run_dir, cfg.dtype)
-        calibration.fit_run(cfg, run_dir, bb, data_dir, out=out)
+    # a rerun fits what an earlier one did not save (or fitted for an older checkpoint)
+    if cfg.calibrate and (
+        trained or not run.calibration_current(run_dir, run.model_name(base.name, cfg, summary["step"]))
+    ):
+        bb, _, meta = run.load_run(run_dir, cfg.dtype, warn_uncalibrated=False)  # fitted now
+        try:
+            calibration.fit_run(cfg, run_dir, bb, data_dir, out=out)
+        except OSError as e:  # a full disk, a read-only directory: the run must not pass for calibrated
+            raise CheckpointError(
+                f"the calibration of {run_dir} could not be saved ({e}): the run is served uncalibrated "
+                f"until `python -m train --out {run_dir}` fits it again"
+            ) from None
     out(
         f"done: {run_dir} at step {summary['step']} ({summary['tokens']:,} real tokens trained); "
         f"serve it with lev_jax.load({str(run_dir)!r})"

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import safetensors.numpy
 
+from lev_jax import durable
 from lev_jax.calibrate import CALIBRATION_FILE
 from lev_jax.errors import CheckpointError
 from lev_jax.loaders import peft
@@ -388,7 +389,9 @@ def make(run_dir, out_dir, *, step: int | None = None, eval_dir=None, depth_dir=
         }
         (tmp / CARD).write_text(_card(manifest), encoding="utf-8")
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+        durable.fsync_tree(tmp)  # the files on disk before the rename publishes the release
         os.replace(tmp, out_dir)
+        durable.fsync_dir(out_dir.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

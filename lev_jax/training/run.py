@@ -1,6 +1,7 @@
 """The run directory, and loading a trained run as a backbone a serving engine uses like any model.
 
     RUN_DIR/
+      .lock                     held (flock) by the trainer writing the run; a second one refuses
       config.json               the resolved TrainConfig (a rerun resumes with it)
       checkpoints/<step>/       Orbax: trainable, opt_state, train (step, RNG), meta, data (grain state)
       history.json              progress and checkpoint events, rewritten at every checkpoint
@@ -16,9 +17,12 @@ None, meta). `meta["engine"]` holds the prompt settings the run was trained with
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import fcntl
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -31,6 +35,47 @@ CHECKPOINTS = "checkpoints"
 DATA = "data"
 ENGINE_KEYS = ("prompt_style", "layout", "noul_readout", "option_averaging", "mode_b_min_options")
 SUPERSEDED = ("checkpoints", "history.json", "corrupt")  # plus every calibration* file
+LOCK = ".lock"
+
+
+class RunLocked(ConfigError):
+    """Another trainer is writing the run directory."""
+
+
+@contextlib.contextmanager
+def lock(run_dir):
+    """Hold `RUN_DIR/.lock` while a trainer writes the run: two trainers on one directory would race on
+    its checkpoints, history and calibration. An exclusive flock, so the kernel releases it however
+    the holder ends (no stale lock after kill -9); the file keeps the holder's pid for the message.
+    RunLocked at once when another process holds it."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / LOCK
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            raise RunLocked(
+                f"{path} is held by another trainer (pid {holder}) writing this run; wait for it to finish "
+                "or use another --out"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield path
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def calibration_current(run_dir, name: str) -> bool:
+    """Whether the run's calibration.json was fitted for the model `name` (its newest checkpoint)."""
+    from lev_jax.calibrate import CALIBRATION_FILE
+
+    try:
+        return json.loads((Path(run_dir) / CALIBRATION_FILE).read_text(encoding="utf-8")).get("model_id") == name
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def is_run(path) -> bool:
@@ -140,8 +185,9 @@ def load_checkpoint(run_dir, step: int | None = None):
     return got
 
 
-def load_run(run_dir, dtype: str = "float32"):
-    """(Backbone with the newest readable checkpoint merged, Calibration or None, meta)."""
+def load_run(run_dir, dtype: str = "float32", *, warn_uncalibrated: bool = True):
+    """(Backbone with the newest readable checkpoint merged, Calibration or None, meta). A run that
+    was to be calibrated and has no calibration is served with a warning that says so."""
     from lev_jax.calibrate import CALIBRATION_FILE, Calibration
     from lev_jax.errors import CheckpointError
     from lev_jax.training.loop import fingerprint, same_base
@@ -155,6 +201,15 @@ def load_run(run_dir, dtype: str = "float32"):
     bb = merged(cfg, base, trainable, step, dtype)
     cal = None
     cal_path = run_dir / CALIBRATION_FILE
+    if not cal_path.is_file() and cfg.calibrate and warn_uncalibrated:
+        # the run was to be calibrated: its fit has not run yet, or its save failed
+        log.warning(
+            "%s has no %s (its calibration was not fitted or not saved); serving uncalibrated until "
+            "`python -m train --out %s` fits it",
+            run_dir,
+            CALIBRATION_FILE,
+            run_dir,
+        )
     if cal_path.is_file():
         cal = Calibration.load(cal_path)
         if cal.model_id != bb.name:

@@ -190,3 +190,51 @@ def test_cache_write_modes_continue_a_prefix_like_the_full_sequence(tiny):
     for i, (h, n) in enumerate(zip(picks, lengths)):
         want = full(prefix_1P[0], headers_BT[h, : int(hvalid_BT[h].sum())], tails_BT[i, :n])
         _assert_close(hidden[i, 0], want)
+
+
+# -- bf16 stacks through the scan ---------------------------------------------------------------
+
+
+def _f32_stacks_in(compiled_text: str, tree) -> list[str]:
+    """The fp32 shapes of `tree`'s 16-bit stacked leaves that a compiled program materialises."""
+    shapes = {f"f32[{','.join(map(str, a.shape))}]" for a in jax.tree.leaves(tree) if a.dtype == jnp.bfloat16}
+    return sorted(s for s in shapes if s in compiled_text)
+
+
+def test_frozen_bf16_stacks_enter_the_scan_as_bits_and_gradients_refuse_them(tiny):
+    """XLA:CPU converts a bf16 stack sliced per scan step to fp32 whole, before the loop (and an
+    output stack once per step); frozen inputs go through as bits instead, bit-exact. A gradient
+    that reaches a frozen input is an error naming the setting, never a silent zero."""
+    import dataclasses
+
+    cfg, params = tiny
+    params = models.cast_params(params, cfg, jnp.bfloat16)
+    rng = np.random.default_rng(5)
+    # three rows of 7: no tensor inside a layer has the shape of a stack ([layers, rows, ...])
+    tokens_BT, valid_BT = _rows(rng, [7, 6, 4])
+    as_is = dataclasses.replace(cfg, scan_frozen=())
+
+    def prefill(p, c):
+        return models.forward(p, tokens_BT, None, c, valid_BT=valid_BT)
+
+    hidden, cache = jax.jit(prefill, static_argnums=1)(params, cfg)
+    want_hidden, want_cache = jax.jit(prefill, static_argnums=1)(params, as_is)
+    np.testing.assert_array_equal(np.asarray(hidden), np.asarray(want_hidden))
+    for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(want_cache)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    stacks = (params[models.stack.BLOCKS], cache[models.stack.BLOCKS])
+    for c, expect_none in ((cfg, True), (as_is, False)):
+        text = jax.jit(prefill, static_argnums=1).lower(params, c).compile().as_text()
+        found = _f32_stacks_in(text, stacks)
+        assert not found if expect_none else found, (c.scan_frozen, found)
+
+    def nll(p, c):
+        h, _ = prefill(p, c)
+        return jnp.sum(h.astype(jnp.float32) ** 2)
+
+    with pytest.raises(TypeError, match="scan_frozen"):
+        jax.grad(nll)(params, cfg)
+    grads = jax.grad(nll)(params, as_is)
+    blocks = jax.tree.leaves(grads[models.stack.BLOCKS])
+    assert all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in blocks)
+    assert all(float(jnp.abs(g.astype(jnp.float32)).max()) > 0 for g in blocks if g.dtype == jnp.bfloat16)

@@ -121,7 +121,8 @@ class CausalLM(nnx.Module):
         (`elastic.cascade.deepen` stacks it on the shallower one). An APPEND or SEGMENT cache comes
         back with layers [0, stop). `final_norm=False` returns the raw
         residual stream (what a deeper call continues, and what an exit adapter reads).
-        The config's `scan_unroll` sets how many scan steps one loop iteration runs."""
+        The config's `scan_unroll` sets how many scan steps one loop iteration runs; its
+        `scan_frozen` which scan inputs no gradient flows into (models.scan)."""
         if not isinstance(cache_write, CacheWrite):
             raise ValueError(
                 f"cache_write must be a CacheWrite ({', '.join(m.name for m in CacheWrite)}), not {cache_write!r}"
@@ -169,6 +170,7 @@ class CausalLM(nnx.Module):
             (start, stop),
             policy,
             unroll=max(1, int(getattr(self.cfg, "scan_unroll", 1))),
+            frozen=tuple(getattr(self.cfg, "scan_frozen", scan.FROZEN)),
         )
         if readout_BR is not None:  # the final norm (and later the head) only where a readout needs it
             x = jnp.take_along_axis(x, readout_BR[..., None].astype(jnp.int32), axis=1)

@@ -11,6 +11,14 @@ weights are xs rather than closed over because a closed-over array that is diffe
 fine-tune) would accumulate its gradient as a full-size carry in every step. New caches come back
 as the scan's outputs (`ys`); a cache entry a layer passes through unchanged (the shared keys
 under a segment) is left out of them and taken from the input instead of being copied per layer.
+
+On XLA:CPU a bf16 input sliced per step costs a whole-stack conversion: float normalisation runs the
+step's dynamic-slice in fp32 and loop-invariant code motion hoists the convert of the entire stack
+out of the loop (every call writes an fp32 copy of all the weights, then slices it), ~30 % of a
+SmolLM2 prefill. The inputs the config marks frozen (`scan_frozen`: FROZEN's kinds no gradient
+flows into) therefore enter the scan as their raw 16-bit patterns, reinterpreted inside the step:
+free, bit-exact, and a gradient that would flow into one is a clear error (`as_bits`), never a
+silent zero.
 """
 
 from __future__ import annotations
@@ -55,6 +63,40 @@ def _slice(tree, j0: int, n: int, have: int):
     return jax.tree.map(lambda a: jax.lax.slice_in_dim(a, j0, j0 + n, axis=0), tree)
 
 
+# what a config's `scan_frozen` may name: the base weights, the adapter slots, the cache continued
+FROZEN = ("weights", "adapters", "caches")
+_BITS = {jnp.dtype(jnp.bfloat16): jnp.uint16, jnp.dtype(jnp.float16): jnp.uint16}
+
+
+@jax.custom_jvp
+def as_bits(a):
+    """A 16-bit float array as its raw bit patterns (uint16)."""
+    return jax.lax.bitcast_convert_type(a, _BITS[a.dtype])
+
+
+@as_bits.defjvp
+def _as_bits_jvp(primals, tangents):
+    # reached only when a tangent is not a symbolic zero: something differentiates a frozen input
+    raise TypeError(
+        "a scan input marked frozen (the model config's scan_frozen) is being differentiated; "
+        "leave its kind out of scan_frozen for this program"
+    )
+
+
+def _packed(tree, frozen: bool):
+    """(tree with its 16-bit float leaves as bits when `frozen` on a CPU backend, their dtypes)."""
+    if tree is None or not frozen or jax.default_backend() != "cpu":
+        return tree, None
+    dtypes = jax.tree.map(lambda a: a.dtype, tree)
+    return jax.tree.map(lambda a: as_bits(a) if a.dtype in _BITS else a, tree), dtypes
+
+
+def _unpacked(tree, dtypes):
+    if dtypes is None:
+        return tree
+    return jax.tree.map(lambda a, d: jax.lax.bitcast_convert_type(a, d) if a.dtype != d else a, tree, dtypes)
+
+
 def _lora_entries(lora: dict) -> int:
     return int(jax.tree.leaves(lora)[0].shape[0]) if lora else 0
 
@@ -63,9 +105,25 @@ def _call(graphdef, weights, x, ctx: Context, layer_cache):
     return nnx.merge(graphdef, weights)(x, ctx, layer_cache)
 
 
-def run(layer_graph, blocks, layer_types, x, ctx: Context, cache_blocks, layer_range, policy, *, unroll: int = 1):
+def run(
+    layer_graph,
+    blocks,
+    layer_types,
+    x,
+    ctx: Context,
+    cache_blocks,
+    layer_range,
+    policy,
+    *,
+    unroll: int = 1,
+    frozen: tuple[str, ...] = FROZEN,
+):
     """(x after layers [start, stop), their new cache stacks or None): `layer_graph(kind, slots)` is
-    one layer's graph; `cache_blocks` the stacks of the cache continued (None: no context)."""
+    one layer's graph; `cache_blocks` the stacks of the cache continued (None: no context);
+    `frozen` the FROZEN kinds no gradient flows into."""
+    unknown = set(frozen) - set(FROZEN)
+    if unknown:
+        raise ValueError(f"scan_frozen names {sorted(unknown)}; known: {', '.join(FROZEN)}")
     start, stop = layer_range
     P = len(blocks)
     write = ctx.cache_write
@@ -121,30 +179,37 @@ def run(layer_graph, blocks, layer_types, x, ctx: Context, cache_blocks, layer_r
     for a, c, lora_on in runs:
         steps = (c - a) // P
         if steps:
-            xs = {}
+            xs, dtypes = {}, {}
             for q in range(P):
                 p, j0 = stack.where(a + q, P)
                 base, lora, slots, n, m = stacks[p]
-                xs[q] = (
+                parts = (
                     _slice(base, j0, steps, n),
                     _slice(lora, j0 - (n - m), steps, m) if lora_on else None,
                     None
                     if cache_blocks is None
                     else _slice(cache_blocks[p], j0, steps, stack.entries(cache_blocks[p])),
                 )
+                packed = [_packed(t, kind in frozen) for t, kind in zip(parts, FROZEN)]
+                xs[q] = tuple(t for t, _ in packed)
+                dtypes[q] = tuple(d for _, d in packed)
 
-            def body(x, xs_step, a=a, lora_on=lora_on):
+            out_dtypes = {}  # the new caches' dtypes, seen when the step is traced
+
+            def body(x, xs_step, a=a, lora_on=lora_on, dtypes=dtypes, out_dtypes=out_dtypes):
                 out = {}
                 for q in range(P):
-                    weights, lora_w, layer_cache = xs_step[q]
-                    x, out[q] = layer(stack.where(a + q, P)[0], lora_on, weights, lora_w, x, layer_cache)
+                    weights, lora_w, layer_cache = map(_unpacked, xs_step[q], dtypes[q])
+                    x, new = layer(stack.where(a + q, P)[0], lora_on, weights, lora_w, x, layer_cache)
+                    # stacked as bits too: a bf16 output stack is otherwise converted whole every step
+                    out[q], out_dtypes[q] = _packed(new, "caches" in frozen)
                 return x, out
 
             x, ys = jax.lax.scan(body, x, xs, length=steps, unroll=min(unroll, steps))
             for q in range(P):
                 if ys[q] is not None:
                     p, j0 = stack.where(a + q, P)
-                    pieces[p].append((j0, ys[q]))
+                    pieces[p].append((j0, _unpacked(ys[q], out_dtypes[q])))
         for g in range(a + steps * P, c):  # the layers outside whole steps, one by one
             p, j = stack.where(g, P)
             base, lora, slots, n, m = stacks[p]

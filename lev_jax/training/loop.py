@@ -96,7 +96,9 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, backbone, mesh):
         self.cfg = cfg
-        self.model_cfg = backbone.config
+        # what a step differentiates must enter the layer scan as itself, not as bits (models.scan):
+        # the adapter and the caches of rows continued in the step always, every weight when all train
+        self.model_cfg = dataclasses.replace(backbone.config, scan_frozen=() if cfg.full_finetune else ("weights",))
         self.mesh = mesh
         self.optimizer, self.schedule = make_optimizer(cfg)
         self.base_sh = mesh_lib.param_shardings(backbone.params, mesh)

@@ -40,6 +40,9 @@ class LlamaConfig:
     # scan steps (models.scan) unrolled per loop iteration: 1 keeps a program's size independent of
     # depth; the layer count unrolls the whole stack (the program a layer loop in Python would give)
     scan_unroll: int = 1
+    # the scan inputs (models.scan.FROZEN) never differentiated through this config's programs: on
+    # XLA:CPU they pass the scan as raw 16-bit patterns (a trainer marks what it trains)
+    scan_frozen: tuple[str, ...] = ("weights", "adapters", "caches")
 
     @classmethod
     def from_hf(cls, d: dict) -> LlamaConfig:

@@ -252,6 +252,26 @@ def test_token_limits_are_checked_before_any_work(tiny):
     assert tiny.compiled_programs == before
 
 
+def test_schema_first_refuses_a_repeated_state_over_the_budget_before_building_rows(tiny, monkeypatch):
+    """Schema first, each question row repeats the state: a state that, once per question, is over
+    the token budget is refused from one tokenizing of the state, before any row tokenizes it again."""
+    from lev_jax.readout import plan as plan_lib
+
+    engine = lev_jax.Engine(tiny.backbone, layout="schema_first")
+    rows = []
+    real_row = plan_lib.Planner._row
+    monkeypatch.setattr(plan_lib.Planner, "_row", lambda self, *a, **k: rows.append(1) or real_row(self, *a, **k))
+    state = "word " * 2000  # ~2k tokens: one question fits, 40 of them (80k tokens) do not
+    noul = {"type": "noul", "instructions": "?"}
+    with pytest.raises(TokenLimitError, match="40 questions each reading the"):
+        engine.plan(state, {f"q{i}": noul for i in range(40)})
+    with pytest.raises(TokenLimitError, match="the state alone is at least"):
+        engine.plan("word " * 33000, {"n": noul})
+    assert rows == []  # refused before any row was built
+    engine.plan(state, {"q0": noul, "q1": noul})  # within the budget: planned as before
+    assert rows
+
+
 @pytest.mark.parametrize(
     "questions,message",
     [

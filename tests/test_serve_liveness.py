@@ -33,9 +33,11 @@ class HeldEngine:
         self.planning = threading.Event()
         self.release_plan = threading.Event()
         self.planned = threading.Event()
+        self.plans = 0
         self._info = info or {}
 
     def plan(self, state, questions, images=None):
+        self.plans += 1
         if self.hold_plan:
             self.planning.set()
             self.release_plan.wait(30)
@@ -127,6 +129,31 @@ def test_the_deadline_covers_planning():
         engine.hold_plan = False
         assert httpx.get(s.url + "/health").status_code == 200
         assert post(s).status_code == 200
+
+
+def test_a_full_server_refuses_before_planning():
+    """Admission comes first: with every slot taken, a request is answered 429 without being parsed
+    further or planned (the engine sees no plan call for it)."""
+    engine = HeldEngine()
+    with ThreadServer(create_app(engine, ServerConfig(max_pending=1))) as s:
+        engine.gate.clear()
+        first = {}
+        t = threading.Thread(target=lambda: first.setdefault("r", post(s)))
+        t.start()
+        try:
+            wait_for(engine.in_call.is_set)
+            assert engine.plans == 1
+            r = post(s)
+            assert r.status_code == 429 and r.json()["detail"]["error_type"] == "rate_limit_error"
+            assert int(r.headers["retry-after"]) >= 1 and engine.plans == 1  # refused before planning
+        finally:
+            engine.gate.set()
+            t.join(30)
+        assert first["r"].status_code == 200
+        # the slot a refused or failed request took is given back: the server takes requests again
+        bad = httpx.post(s.url + "/v1/systemone", json={**request(), "model": "unknown"}, timeout=30)
+        assert bad.status_code == 400
+        assert post(s).status_code == 200 and httpx.get(s.url + "/health").json()["in_flight"] == 0
 
 
 @pytest.mark.parametrize(

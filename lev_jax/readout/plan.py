@@ -412,6 +412,26 @@ class Planner:
         """Round 2 of a grouped choice: one readout over each group's winning option."""
         return self.choice_readout(state_text, qp.question, winners)
 
+    def _check_repeated_state(self, state_text: str, n_questions: int) -> None:
+        """Schema first, every question row repeats the state: a request whose state alone, once per
+        question, is over the token budget is refused (TokenLimitError) before any row is built, so
+        building the rows (each tokenizing the state again) costs at most what the budget allows: a
+        262k-character state asked 512 questions would otherwise tokenize the state 1,000 times and
+        hold every row's tokens. The state is tokenized once here; state first, its prefix already is."""
+        if self.layout != "schema_first":
+            return
+        n = len(self.tokenizer.encode(self.format.state_block(state_text))) - _BOUNDARY_TOKENS
+        if n + 1 > domain.MAX_STATE_PLUS_QUESTION_TOKENS:
+            raise TokenLimitError(
+                f"the state alone is at least {n} tokens; the state and any question must fit in "
+                f"{domain.MAX_STATE_PLUS_QUESTION_TOKENS}"
+            )
+        if n * n_questions > domain.MAX_REQUEST_TOKENS:
+            raise TokenLimitError(
+                f"the request is at least {n * n_questions} tokens ({n_questions} questions each reading the "
+                f"{n}-token state); the limit is {domain.MAX_REQUEST_TOKENS}"
+            )
+
     def plan(self, state, questions, images: dict | None = None) -> RequestPlan:
         """Validate, lay out and tokenize a request, checking the token limits (RequestError /
         TokenLimitError) before any device work. `images`: placeholder -> PreparedImage, each
@@ -421,6 +441,7 @@ class Planner:
         if images and self.vision is None:
             raise RequestError("this model is text-only and cannot read images")
         text = self.state_text(state)
+        self._check_repeated_state(text, len(questions))
         qplans = [self.question(text, qid, q) for qid, q in questions.items()]
         if any(qp.route == MODE_B for qp in qplans):
             modeb.check_text(text, self.marker[0], "the state", ("state",))
@@ -433,6 +454,10 @@ class Planner:
         plan = RequestPlan(text, self.prefix_ids(text, images), qplans)
         check_limits(plan)
         return plan
+
+
+# tokens a row's copy of the state block may lose to its neighbours' merges (the first and the last)
+_BOUNDARY_TOKENS = 2
 
 
 def _strings(value):

@@ -318,110 +318,124 @@ def create_app(engine: DecisionEngine, config: ServerConfig | None = None) -> Fa
         except ClientDisconnect:
             metrics.cancelled.inc()
             return Response(status_code=499)
-        args = (raw, request.headers.get("content-encoding"), content_type, cfg.max_body_bytes)
-        # decompression, JSON and validation off the event loop, whatever the size: a few hundred
-        # compressed bytes can hold seconds of that work, and /health must answer meanwhile
-        req, parts = await off_loop(_parse, *args)
-
-        if req.model not in accepted_models:
-            raise E.usage_error(f"Unknown model: {req.model}")
-        boxes = [qid for qid, q in req.questions.items() if q.type == "box"]
-        if boxes:
-            raise E.usage_error(
-                f"Model {model_name} cannot locate boxes: question {boxes[0]!r} has type 'box', "
-                "which asks for coordinates; this server reads decisions: use noul, choice or score"
-            )
-        # base64, signatures and placeholder lookup walk the whole request: off the event loop too
-        images = await off_loop(body_lib.resolve_assets, req.assets, parts, req.state, req.questions)
-        if images and not engine.supports_images:
-            where = sorted({w for img in images for w in img.references})
-            raise E.usage_error(
-                f"Model {model_name} is text-only and cannot read images: the request has {len(images)} image "
-                f"asset(s)"
-                + (f" referenced in {', '.join(where)}" if where else "")
-                + ". Remove the images or serve a vision checkpoint (a Qwen3.5 VL model)."
-            )
-
-        # the wire shape is the engine's shape: nulls mean "nothing", as the engine reads them
-        questions = {qid: q.model_dump() for qid, q in req.questions.items()}
-        plan_args = (req.state, questions) + (({img.alias: img.data for img in images},) if images else ())
-        plan_kwargs = {}
-        depth = request.headers.get(DEPTH_HEADER)
-        if depth is not None:
-            if not takes_depth:
-                raise E.usage_error(f"Model {model_name} is served at one depth; remove the {DEPTH_HEADER} header")
-            plan_kwargs["depth"] = depth.strip()
-        try:  # plan once (images decoded too): count tokens and refuse over-budget requests before they queue
-            plan = await off_loop(engine.plan, *plan_args, **plan_kwargs)
-            counts = plan.token_counts()
-        except (TokenLimitError, ImageTooLargeError) as e:
-            raise E.too_large(str(e)) from None
-        except ReservedTextError as e:  # text the model reads as structure: a validation failure of that field
-            raise E.validation_error(e.loc, str(e), "value_error", None) from None
-        except RequestError as e:
-            raise E.ApiError(400, e.error_type, str(e)) from None
-
+        # admitted before anything is spent on it (parsing, planning): a full server answers 429 at once
         try:
-            ticket = scheduler.submit(plan, None, counts["input_tokens"])
-        except QueueFull as e:
-            raise E.ApiError(
+            scheduler.admit()
+        except (QueueFull, ShuttingDown) as e:
+            raise _refused(e) from None
+        slot = [True]
+        try:
+            args = (raw, request.headers.get("content-encoding"), content_type, cfg.max_body_bytes)
+            # decompression, JSON and validation off the event loop, whatever the size: a few hundred
+            # compressed bytes can hold seconds of that work, and /health must answer meanwhile
+            req, parts = await off_loop(_parse, *args)
+
+            if req.model not in accepted_models:
+                raise E.usage_error(f"Unknown model: {req.model}")
+            boxes = [qid for qid, q in req.questions.items() if q.type == "box"]
+            if boxes:
+                raise E.usage_error(
+                    f"Model {model_name} cannot locate boxes: question {boxes[0]!r} has type 'box', "
+                    "which asks for coordinates; this server reads decisions: use noul, choice or score"
+                )
+            # base64, signatures and placeholder lookup walk the whole request: off the event loop too
+            images = await off_loop(body_lib.resolve_assets, req.assets, parts, req.state, req.questions)
+            if images and not engine.supports_images:
+                where = sorted({w for img in images for w in img.references})
+                raise E.usage_error(
+                    f"Model {model_name} is text-only and cannot read images: the request has {len(images)} image "
+                    f"asset(s)"
+                    + (f" referenced in {', '.join(where)}" if where else "")
+                    + ". Remove the images or serve a vision checkpoint (a Qwen3.5 VL model)."
+                )
+
+            # the wire shape is the engine's shape: nulls mean "nothing", as the engine reads them
+            questions = {qid: q.model_dump() for qid, q in req.questions.items()}
+            plan_args = (req.state, questions) + (({img.alias: img.data for img in images},) if images else ())
+            plan_kwargs = {}
+            depth = request.headers.get(DEPTH_HEADER)
+            if depth is not None:
+                if not takes_depth:
+                    raise E.usage_error(f"Model {model_name} is served at one depth; remove the {DEPTH_HEADER} header")
+                plan_kwargs["depth"] = depth.strip()
+            try:  # plan once (images decoded too): count tokens and refuse over-budget requests before they queue
+                plan = await off_loop(engine.plan, *plan_args, **plan_kwargs)
+                counts = plan.token_counts()
+            except (TokenLimitError, ImageTooLargeError) as e:
+                raise E.too_large(str(e)) from None
+            except ReservedTextError as e:  # text the model reads as structure: a validation failure of that field
+                raise E.validation_error(e.loc, str(e), "value_error", None) from None
+            except RequestError as e:
+                raise E.ApiError(400, e.error_type, str(e)) from None
+
+            try:
+                ticket = scheduler.submit(plan, None, counts["input_tokens"], admitted=True)
+            except ShuttingDown as e:
+                raise _refused(e) from None
+            slot.clear()  # the ticket holds it now, until its answer
+
+            try:
+                answers = await _await(request, ticket, max(0.0, deadline - time.perf_counter()))
+            except _ClientGone:
+                metrics.cancelled.inc()
+                return Response(status_code=499)
+            except TimeoutError:
+                metrics.timed_out.inc()
+                raise E.ApiError(504, E.TIMEOUT, f"No answer within the server timeout of {cfg.timeout_s:g}s") from None
+            except TokenLimitError as e:
+                raise E.too_large(str(e)) from None
+            except RequestError as e:
+                raise E.ApiError(400, e.error_type, str(e)) from None
+            except ShuttingDown:
+                raise E.ApiError(503, E.OVERLOADED, "Server is shutting down", {"Retry-After": "5"}) from None
+            except Exception:  # noqa: BLE001 — the engine failed on this request: a server bug, not bad input
+                rid = request.scope.get("state", {}).get("request_id", "?")
+                log.exception("engine failed on request %s", rid)
+                raise E.ApiError(500, E.INTERNAL, f"Internal server error (request {rid})") from None
+
+            answers, usage_reported = answers  # predict_many(..., with_usage=True): (answers, usage)
+            ordered = {}
+            for qid, q in req.questions.items():
+                a = answers[qid]
+                if q.type == "score":  # the legend echoes the request's levels, structured ones unchanged
+                    a = {**a, "legend": {str(i): level for i, level in enumerate(q.criteria)}}
+                ordered[qid] = a
+            input_tokens = int(usage_reported.get("input_tokens", counts["input_tokens"]))
+            usage = {"input_tokens": input_tokens, "output_tokens": len(ordered)}
+            metrics.observe_answer(usage["input_tokens"], usage["output_tokens"])
+            return JSONResponse(
+                {
+                    "model": model_name,
+                    "answers": ordered,
+                    "usage": usage,
+                    "x_cached_input_tokens": int(usage_reported.get("cached_input_tokens", 0)),
+                    "x_readout": {qp.qid: qp.route for qp in plan.questions},
+                    **({"x_depth": usage_reported["depths"]} if usage_reported.get("depths") else {}),
+                    **(
+                        {
+                            "x_image_tokens": int(usage_reported["image_tokens"]),
+                            "x_cached_image_tokens": int(usage_reported.get("cached_image_tokens", 0)),
+                        }
+                        if usage_reported.get("image_tokens")
+                        else {}
+                    ),
+                }
+            )
+        finally:
+            if slot:  # refused, failed or gone before its ticket took the slot
+                scheduler.release()
+
+    def _refused(e: ShuttingDown | QueueFull) -> E.ApiError:
+        if isinstance(e, QueueFull):
+            return E.ApiError(
                 429,
                 E.RATE_LIMIT,
                 f"Server busy: {cfg.max_pending} requests in flight; retry after {e.retry_after_s:.2f}s",
                 {"Retry-After": str(e.retry_after), "retry-after-ms": str(math.ceil(e.retry_after_s * 1000))},
-            ) from None
-        except Unavailable as e:
-            raise E.ApiError(503, E.OVERLOADED, f"Server unavailable: {e.reason}", {"Retry-After": "30"}) from None
-        except ShuttingDown:
-            raise E.ApiError(503, E.OVERLOADED, "Server is shutting down", {"Retry-After": "5"}) from None
-
-        try:
-            answers = await _await(request, ticket, max(0.0, deadline - time.perf_counter()))
-        except _ClientGone:
-            metrics.cancelled.inc()
-            return Response(status_code=499)
-        except TimeoutError:
-            metrics.timed_out.inc()
-            raise E.ApiError(504, E.TIMEOUT, f"No answer within the server timeout of {cfg.timeout_s:g}s") from None
-        except TokenLimitError as e:
-            raise E.too_large(str(e)) from None
-        except RequestError as e:
-            raise E.ApiError(400, e.error_type, str(e)) from None
-        except ShuttingDown:
-            raise E.ApiError(503, E.OVERLOADED, "Server is shutting down", {"Retry-After": "5"}) from None
-        except Exception:  # noqa: BLE001 — the engine failed on this request: a server bug, not bad input
-            rid = request.scope.get("state", {}).get("request_id", "?")
-            log.exception("engine failed on request %s", rid)
-            raise E.ApiError(500, E.INTERNAL, f"Internal server error (request {rid})") from None
-
-        answers, usage_reported = answers  # predict_many(..., with_usage=True): (answers, usage)
-        ordered = {}
-        for qid, q in req.questions.items():
-            a = answers[qid]
-            if q.type == "score":  # the legend echoes the request's levels, structured ones unchanged
-                a = {**a, "legend": {str(i): level for i, level in enumerate(q.criteria)}}
-            ordered[qid] = a
-        input_tokens = int(usage_reported.get("input_tokens", counts["input_tokens"]))
-        usage = {"input_tokens": input_tokens, "output_tokens": len(ordered)}
-        metrics.observe_answer(usage["input_tokens"], usage["output_tokens"])
-        return JSONResponse(
-            {
-                "model": model_name,
-                "answers": ordered,
-                "usage": usage,
-                "x_cached_input_tokens": int(usage_reported.get("cached_input_tokens", 0)),
-                "x_readout": {qp.qid: qp.route for qp in plan.questions},
-                **({"x_depth": usage_reported["depths"]} if usage_reported.get("depths") else {}),
-                **(
-                    {
-                        "x_image_tokens": int(usage_reported["image_tokens"]),
-                        "x_cached_image_tokens": int(usage_reported.get("cached_image_tokens", 0)),
-                    }
-                    if usage_reported.get("image_tokens")
-                    else {}
-                ),
-            }
-        )
+            )
+        if isinstance(e, Unavailable):
+            return E.ApiError(503, E.OVERLOADED, f"Server unavailable: {e.reason}", {"Retry-After": "30"})
+        return E.ApiError(503, E.OVERLOADED, "Server is shutting down", {"Retry-After": "5"})
 
     async def _await(request: Request, ticket, timeout: float):
         gone = asyncio.ensure_future(_disconnected(request))

@@ -104,7 +104,9 @@ class Metrics:
             registry=r,
         )
         self.queue_depth = Gauge("lev_queue_depth", "Requests waiting for a device call.", registry=r)
-        self.in_flight = Gauge("lev_in_flight", "Requests admitted and not finished (queued plus running).", registry=r)
+        self.in_flight = Gauge(
+            "lev_in_flight", "Requests admitted and not finished (being planned, queued or running).", registry=r
+        )
         self.max_pending = Gauge(
             "lev_max_pending", "Admission limit: more in flight than this are refused with 429.", registry=r
         )

@@ -6,9 +6,11 @@ one-thread executor, and resolves each request's future with its own result: an 
 exception the engine returned for that request. While a batch runs, new arrivals queue up and form
 the next batch, so batches grow with load without a fixed wait.
 
-Admission is bounded: at most `max_pending` requests are queued or running; the next one is refused
-(`QueueFull`, answered 429 with Retry-After). A request whose client has gone, or whose deadline
-passed, is cancelled: dropped from the queue if it has not started, its result discarded if it has.
+Admission is bounded: at most `max_pending` requests are admitted (being planned, queued or running);
+the next one is refused (`QueueFull`, answered 429 with Retry-After). A server admits a request
+(`admit`) before it parses or plans it, so a full server spends nothing on what it will refuse. A
+request whose client has gone, or whose deadline passed, is cancelled: dropped from the queue if it
+has not started, its result discarded if it has.
 `close()` refuses new work (`ShuttingDown`, 503) and `drain()` waits for what is in flight.
 
 A watchdog tells the truth about the device: a request's device call that has run longer than
@@ -131,7 +133,7 @@ class Scheduler:
         self.background_compiles = 0  # micro-batch combinations compiled in the compile lane
         self.split_batches = 0  # batches of ready requests run one by one (their combination was new)
         self._running: list[Ticket] = []
-        self._pending = 0  # queued (not cancelled) + running
+        self._pending = 0  # admitted (being planned) + queued (not cancelled) + running
         self._wake: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
@@ -233,7 +235,7 @@ class Scheduler:
     # -- admission -----------------------------------------------------------------------------
     @property
     def pending(self) -> int:
-        """Requests admitted and not finished: queued plus running."""
+        """Requests admitted and not finished: being planned, queued or running."""
         return self._pending
 
     @property
@@ -287,16 +289,40 @@ class Scheduler:
                     )
             self._reported &= {id(t) for t in self._running}
 
-    def submit(self, state: Any, questions: dict, tokens: int) -> Ticket:
+    def admit(self) -> None:
+        """Take a slot for a request about to be planned (QueueFull, ShuttingDown or Unavailable if
+        none is to be had); hand it to `submit(..., admitted=True)` or give it back with `release()`."""
         if reason := self.unavailable():
             raise Unavailable(reason)
         if self._closing or self._worker is None:
             raise ShuttingDown()
         if self._pending >= self.max_pending:
             raise QueueFull(self.retry_after())
+        self._pending += 1
+        self._idle.clear()
+        self._gauge()
+
+    def release(self) -> None:
+        """Give back a slot `admit` took for a request that was never submitted (refused, failed)."""
+        self._pending -= 1
+        if self._pending <= 0:
+            self._pending = 0
+            self._idle.set()
+        self._gauge()
+
+    def submit(self, state: Any, questions: dict, tokens: int, *, admitted: bool = False) -> Ticket:
+        """Queue a request; `admitted`: in the slot `admit` took for it (which it keeps if this raises,
+        for the caller to release)."""
+        if reason := self.unavailable():
+            raise Unavailable(reason)
+        if self._closing or self._worker is None:
+            raise ShuttingDown()
+        if not admitted and self._pending >= self.max_pending:
+            raise QueueFull(self.retry_after())
         t = Ticket(state, questions, tokens, asyncio.get_running_loop().create_future())
         self._queue.append(t)
-        self._pending += 1
+        if not admitted:
+            self._pending += 1
         self._idle.clear()
         self._wake.set()
         self._gauge()
@@ -315,11 +341,7 @@ class Scheduler:
 
     # -- the worker ----------------------------------------------------------------------------
     def _release(self, t: Ticket) -> None:
-        self._pending -= 1
-        if self._pending <= 0:
-            self._pending = 0
-            self._idle.set()
-        self._gauge()
+        self.release()
 
     def _gauge(self) -> None:
         if self.metrics is not None:

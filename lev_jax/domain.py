@@ -82,6 +82,11 @@ MAX_STATE_CHARS = MAX_STATE_PLUS_QUESTION_TOKENS * MAX_CHARS_PER_TOKEN  # the st
 MAX_REQUEST_CHARS = MAX_REQUEST_TOKENS * MAX_CHARS_PER_TOKEN  # the state's and every question's strings
 MAX_TEXT_CHARS = 32768  # one instruction, option name or description, level or noul criterion (a string)
 MAX_ID_CHARS = 256  # a question id, an asset key or a multipart part name
+# JSON values (objects, arrays, strings, numbers, literals) in a request body. Each becomes a Python
+# object (~50-100 bytes) when the body is parsed: 2M one-character strings in a 10 MB body (972 bytes
+# with zstd) took 6 s and hundreds of MB to parse and walk. Legitimate requests stay far below (512
+# questions of 255 described options are ~133k values).
+MAX_REQUEST_VALUES = 1 << 18
 MAX_QUESTIONS = 512  # questions per request
 MAX_ASSETS = MAX_IMAGES_PER_REQUEST  # image assets per request: each must be used in the state
 # base64 of the largest image asset, with a line break every 76 characters (MIME) allowed for

@@ -16,6 +16,7 @@ import time
 import httpx
 import pytest
 import zstandard
+from fastapi.exceptions import RequestValidationError
 
 from lev_jax import domain
 from lev_jax.server import ServerConfig, body, create_app, wire
@@ -238,3 +239,22 @@ def test_arbitrary_method_names_create_no_metric_series(server):
         text = client.get(server.url + "/metrics").text
     methods = set(re.findall(r'lev_http_requests_total\{method="([^"]*)"', text))
     assert "other" in methods and methods <= {"GET", "POST", "HEAD", "other"}, methods
+
+
+def test_a_body_of_many_tiny_values_is_refused_before_it_is_walked(server, stub):
+    """2M one-character strings are a 10 MB body (972 bytes with zstd): seconds of parsing and walking
+    and hundreds of MB as Python objects. More commas than the caps allow are refused before parsing;
+    fewer, but more values than MAX_REQUEST_VALUES, in the first walk over the parsed body."""
+    many = json.dumps(request(state=["a"] * 1_100_000)).encode()  # 5.5 MB: within this body limit
+    r = post(server, zstandard.ZstdCompressor(level=19).compress(many), {"content-encoding": "zstd"})
+    refused_422(r, f"more than {domain.MAX_REQUEST_VALUES} JSON values")
+    under_commas = json.dumps(request(state=[str(i) for i in range(domain.MAX_REQUEST_VALUES + 10)])).encode()
+    assert under_commas.count(b",") < domain.MAX_REQUEST_VALUES + domain.MAX_REQUEST_CHARS  # so it is parsed
+    refused_422(post(server, under_commas), f"more than {domain.MAX_REQUEST_VALUES} JSON values")
+    assert stub.plans == 0
+
+
+def test_an_unpaired_surrogate_is_located():
+    with pytest.raises(RequestValidationError) as e:
+        body.parse_json(json.dumps({"state": {"k": ["ok", "\ud800"]}}).encode())
+    assert e.value.errors()[0]["loc"] == ("body", "state", "k", 1)

@@ -19,6 +19,7 @@ from typing import Any
 
 import zstandard
 
+from lev_jax import domain
 from lev_jax.server.errors import ApiError, too_large, usage_error, validation_error
 
 MAX_DEPTH = 64  # nesting of JSON containers in a body
@@ -132,6 +133,11 @@ def parse_json(data: bytes) -> Any:
         ) from None
     if text.startswith("\ufeff"):
         text = text[1:]
+    # Before parsing: a body of many tiny values costs far more as Python objects than as bytes.
+    # Values are separated by commas, so more commas than values allowed plus characters allowed
+    # (commas inside strings are characters of the request) cannot be a request within the caps.
+    if data.count(b",") > domain.MAX_REQUEST_VALUES + domain.MAX_REQUEST_CHARS:
+        raise _too_many_values(())
     try:
         value = json.loads(text, parse_constant=_reject_constant)
     except json.JSONDecodeError as e:
@@ -144,9 +150,53 @@ def parse_json(data: bytes) -> Any:
     return value
 
 
+def _too_many_values(path: tuple):
+    return validation_error(
+        path,
+        f"The request has more than {domain.MAX_REQUEST_VALUES} JSON values",
+        "too_long",
+        None,
+        {"max_values": domain.MAX_REQUEST_VALUES},
+    )
+
+
 def check_value(value: Any, max_depth: int = MAX_DEPTH) -> None:
-    """Limits the schema cannot state: container nesting and unpaired surrogates (\\ud800 escapes),
-    which no tokenizer or UTF-8 encoder accepts."""
+    """Limits the schema cannot state: the number of values, container nesting and unpaired
+    surrogates (\\ud800 escapes), which no tokenizer or UTF-8 encoder accepts. One cheap pass (no
+    paths); only a body that breaks a limit is walked again to say where."""
+    n, stack = 0, [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        n += 1
+        if n > domain.MAX_REQUEST_VALUES:
+            raise _too_many_values(())
+        if isinstance(v, str):
+            if not _encodes(v):
+                return _locate(value, max_depth)
+        elif isinstance(v, dict):
+            if depth >= max_depth or not all(_encodes(k) for k in v if isinstance(k, str)):
+                return _locate(value, max_depth)
+            stack.extend((item, depth + 1) for item in v.values())
+        elif isinstance(v, list):
+            if depth >= max_depth:
+                return _locate(value, max_depth)
+            stack.extend((item, depth + 1) for item in v)
+    return None
+
+
+def _encodes(s: str) -> bool:
+    """Whether `s` encodes as UTF-8 (no unpaired surrogate); an ASCII string costs no encode."""
+    if s.isascii():
+        return True
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _locate(value: Any, max_depth: int) -> None:
+    """The walk that names where a limit is broken (raises the error for it)."""
     stack: list[tuple[Any, tuple, int]] = [(value, (), 0)]
     while stack:
         v, path, depth = stack.pop()

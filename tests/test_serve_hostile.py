@@ -258,3 +258,106 @@ def test_an_unpaired_surrogate_is_located():
     with pytest.raises(RequestValidationError) as e:
         body.parse_json(json.dumps({"state": {"k": ["ok", "\ud800"]}}).encode())
     assert e.value.errors()[0]["loc"] == ("body", "state", "k", 1)
+
+
+# ---------------------------------------------------------------- the probes against `python -m serve`
+# Each probe of issue 45 against a real `lev serve` process (the tiny model, warmed by one request):
+# /health sent while the attack is being worked on answers in < 0.5 s, the attack gets its 4xx in
+# < 1 s, the server's RSS grows < 200 MB, and a normal request is answered after. On a loaded 2-core
+# machine one attempt can lose the CPU to a neighbour, so a probe passes if any of 3 attempts meets
+# the bounds (a server that stalls or blows up fails all three).
+
+HEALTH_S, ATTACK_S, RSS_GROWTH = 0.5, 1.0, 200 << 20
+JSON = {"content-type": "application/json"}
+
+
+def _zstd(doc) -> bytes:
+    return zstandard.ZstdCompressor(level=19).compress(json.dumps(doc).encode())
+
+
+PROBES = {
+    # 30k strings naming one asset: placeholder lookup was quadratic on the event loop
+    "asset-references": lambda: (
+        json.dumps(
+            request(state=["img"] * 30_000, assets={"img": {"format": "png", "data_base64": "iVBORw0KGgo="}})
+        ).encode(),
+        JSON,
+    ),
+    # a 200 KB state and 100 questions: planned whole before its 413
+    "plan-then-413": lambda: (
+        json.dumps(
+            request(
+                state="word " * 40_000, questions={f"q{i}": {**NOUL, "instructions": "y " * 1000} for i in range(100)}
+            )
+        ).encode(),
+        JSON,
+    ),
+    # ~1 KB of zstd holding 1.1M values
+    "zstd-values": lambda: (_zstd(request(state=["a"] * 1_100_000)), {**JSON, "content-encoding": "zstd"}),
+    # 400 invalid questions echoing 1 KB each
+    "422-echo": lambda: (
+        json.dumps(
+            request(questions={f"q{i}": {"type": "noul", "instructions": "i", "typo": "t" * 1000} for i in range(400)})
+        ).encode(),
+        JSON,
+    ),
+    "encoding-layers": lambda: (
+        zstandard.ZstdCompressor().compress(gzip.compress(json.dumps(request()).encode())),
+        {**JSON, "content-encoding": "gzip, zstd"},
+    ),
+    "text-plain": lambda: (json.dumps(request()).encode(), {"content-type": "text/plain"}),
+    "rebound-host": lambda: (json.dumps(request()).encode(), {**JSON, "host": "attacker.example"}),
+    "method-name": None,  # an arbitrary method, below
+}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from lev_jax.server.testing import ServerProcess
+    from lev_jax.testing import save_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("hostile")
+    with ServerProcess(["--model", str(save_tiny_checkpoint(root / "tiny"))], log_path=root / "serve.log") as s:
+        assert post(s, request()).status_code == 200  # compiled: later normal requests are quick
+        yield s
+
+
+def _attack(s, name) -> dict:
+    """One attempt: the attack in a thread, /health meanwhile; times, status and RSS growth."""
+    import psutil
+
+    proc = psutil.Process(s.proc.pid)
+    probe = PROBES[name]
+    content, headers = probe() if probe else (b"", {})
+    out: dict = {"rss0": proc.memory_info().rss}
+
+    def attack():
+        t0 = time.perf_counter()
+        if probe is None:
+            r = httpx.request("PROPFINDX", s.url + "/v1/systemone", timeout=60)
+        else:
+            r = httpx.post(s.url + "/v1/systemone", content=content, headers=headers, timeout=60)
+        out.update(status=r.status_code, attack_s=time.perf_counter() - t0)
+
+    thread = threading.Thread(target=attack)
+    thread.start()
+    time.sleep(0.05)  # the request is being read or worked on
+    t0 = time.perf_counter()
+    health = httpx.get(s.url + "/health", timeout=30)
+    out.update(health=health.status_code, health_s=time.perf_counter() - t0)
+    thread.join(120)
+    out["growth"] = proc.memory_info().rss - out.pop("rss0")
+    return out
+
+
+@pytest.mark.parametrize("name", list(PROBES))
+def test_a_probe_against_the_served_process(served, name):
+    for _ in range(3):
+        got = _attack(served, name)
+        if got["health_s"] < HEALTH_S and got["attack_s"] < ATTACK_S:
+            break
+    assert 400 <= got["status"] < 500 and got["health"] == 200, got
+    assert got["health_s"] < HEALTH_S and got["attack_s"] < ATTACK_S, got
+    assert got["growth"] < RSS_GROWTH, got
+    after = post(served, request())
+    assert after.status_code == 200 and 0 <= after.json()["answers"]["q"]["noul"] <= 1

@@ -1,8 +1,10 @@
 """Hostile input (issue 45): the cheap checks come first. Caps on the wire (lev_jax.domain, stated in
 the OpenAPI document) refuse oversized requests before the engine sees them; bounded 422s; one
 Content-Encoding; body work off the event loop, so /health answers while a request is parsed;
-placeholder lookup in one pass; a warning when a server is exposed without keys. The engine here
-never plans: every request below is refused (or timed) before it would."""
+placeholder lookup in one pass; a warning when a server is exposed without keys, and a Host check
+when it is not; bounded JSON values; method names that create no metric series. The stub engine here
+never plans: every request to it is refused (or timed) before it would. At the end, each probe of the
+issue against a real `lev serve` process (the tiny model), within the issue's time and memory bounds."""
 
 from __future__ import annotations
 

@@ -62,6 +62,7 @@ def test_data_that_is_not_a_build(capsys, tmp_path):
     _fails(capsys, argv + [f"data={tmp_path / 'missing'}"], "no such data directory")
     (tmp_path / "test.array_record").write_bytes(b"x")
     _fails(capsys, argv + [f"data={tmp_path / 'test.array_record'}"], "test split")
+    assert not (tmp_path / "r").exists()  # a run refused at its start leaves no directory (nor lock)
 
 
 @pytest.mark.skipif(not (EVAL / "banking77-test.csv").is_file(), reason="shared eval-data not found")

@@ -49,6 +49,7 @@ def lock(run_dir):
     the holder ends (no stale lock after kill -9); the file keeps the holder's pid for the message.
     RunLocked at once when another process holds it."""
     run_dir = Path(run_dir)
+    created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -65,6 +66,10 @@ def lock(run_dir):
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield path
     finally:
+        if created and [p.name for p in run_dir.iterdir()] == [LOCK]:
+            # a run that wrote nothing (refused at its start) leaves no directory behind; still held
+            path.unlink()
+            run_dir.rmdir()
         os.close(fd)  # releases the lock
 
 

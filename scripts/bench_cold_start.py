@@ -14,6 +14,11 @@ fresh API key in $LEV_API_KEYS, no JAX compilation-cache variables inherited), p
                     3-level score) about a ~2 KB ticket, sent on a fresh connection the way the official
                     typesafe-sdk sends it (compact JSON body, zstd-compressed at >= 1 KiB, its headers)
   second_request_s  a second request with a different shape (a 6-option choice), same connection
+  at_up_request_s   with --at-up: the first request is instead sent at the first 200 from /health
+                    (what an SDK client started beside the server meets), timed with its status;
+                    the after-ready pair follows as usual
+  programs          from /health at ready: programs compiled / loaded, their seconds in all, and
+                    each one's (name, compiled or loaded, seconds)
 
 Scenarios (server flags):
   cold          --no-compilation-cache --no-warmup   nothing compiled before the first request
@@ -29,6 +34,8 @@ Checks (printed as PASS/FAIL/SKIP, exit code 1 when one fails):
     scenario that warms up (all but `cold`, which is reported for reference)
   * a second start is ready in well under the first's time: cache-second ready_s <
     --second-start-ratio (0.5) x cache-first ready_s
+  * with --at-up, the request sent at /health up answers with 200 in < --at-up-target s (5) in
+    every scenario
 """
 
 from __future__ import annotations
@@ -184,9 +191,17 @@ def _zstd_compress():
             return None
 
 
-def checks(results: dict[str, dict], first_target_s: float, second_ratio: float) -> list[tuple[str, str]]:
+def checks(
+    results: dict[str, dict], first_target_s: float, second_ratio: float, at_up_target_s: float = 5.0
+) -> list[tuple[str, str]]:
     """[(PASS|FAIL|SKIP, text)] for the acceptance checks over the scenarios measured."""
     out = []
+    for name, r in results.items():
+        if "at_up_request" in r:
+            s = r.get("at_up_request_s")
+            ok = s is not None and s < at_up_target_s
+            shown = "no answer" if s is None else f"{s:.3f} s"
+            out.append(("PASS" if ok else "FAIL", f"{name}: request sent at /health up {shown} < {at_up_target_s:g} s"))
     warmed = [n for n in WARMED if n in results]
     if not warmed:
         out.append(("SKIP", f"first SDK-style request after ready < {first_target_s:g} s: no warmed-up scenario run"))
@@ -248,6 +263,15 @@ def markdown(report: dict) -> str:
             f"{_cell(r.get('up_s'))} | "
             f"{_cell(r.get('ready_s'))} | {_cell(r.get('first_request_s'), '.3f')} | "
             f"{_cell(r.get('second_request_s'), '.3f')} |"
+        )
+    at_up = [(n, r) for n, r in results.items() if "at_up_request" in r]
+    if at_up:
+        lines.append("")
+    for name, r in at_up:
+        status = (r.get("at_up_request") or {}).get("status")
+        lines.append(
+            f"- {name}: the request sent at /health up answered in {_cell(r.get('at_up_request_s'), '.3f')} s "
+            f"(HTTP {status})"
         )
     if report.get("cache_second_vs_first") is not None:
         lines += ["", f"cache-second ready time / cache-first: **{report['cache_second_vs_first']:.2f}**."]
@@ -319,8 +343,11 @@ def stop(proc: subprocess.Popen, timeout: float) -> None:
             pass
 
 
-def wait_ready(url: str, proc: subprocess.Popen, t_spawn: float, timeout: float, interval: float) -> dict:
-    """Poll /health until ready: {"up_s", "ready_s", "health"} (seconds since `t_spawn`)."""
+def wait_ready(
+    url: str, proc: subprocess.Popen, t_spawn: float, timeout: float, interval: float, *, up_only: bool = False
+) -> dict:
+    """Poll /health until ready (`up_only`: until it first answers): {"up_s", "ready_s", "health"}
+    (seconds since `t_spawn`)."""
     out: dict = {"up_s": None, "ready_s": None, "health": None}
     deadline = t_spawn + timeout
     with httpx.Client(timeout=httpx.Timeout(2.0)) as c:
@@ -335,6 +362,8 @@ def wait_ready(url: str, proc: subprocess.Popen, t_spawn: float, timeout: float,
             now = time.perf_counter() - t_spawn
             if up and out["up_s"] is None:
                 out["up_s"] = round(now, 3)
+                if up_only:
+                    return out
             if ready:
                 out["ready_s"] = round(now, 3)
                 with contextlib.suppress(ValueError):
@@ -368,6 +397,7 @@ def run_scenario(
     startup_timeout: float,
     request_timeout: float,
     interval: float,
+    at_up: bool = False,
 ) -> dict:
     api_key = "sk-bench-" + secrets.token_hex(12)
     port = free_port()
@@ -380,7 +410,18 @@ def run_scenario(
     t_spawn = time.perf_counter()
     with server_process(args, child_env(api_key), log_path) as proc:
         try:
-            result.update(wait_ready(url, proc, t_spawn, startup_timeout, interval))
+            if at_up:
+                result.update(wait_ready(url, proc, t_spawn, startup_timeout, interval, up_only=True))
+                with httpx.Client(timeout=httpx.Timeout(request_timeout)) as c:
+                    r0 = timed_request(c, url, *first)
+                result["at_up_request"] = r0
+                result["at_up_request_s"] = r0["s"] if r0["status"] == 200 else None
+                up_s = result["up_s"]
+                result.update(wait_ready(url, proc, t_spawn, startup_timeout, interval))
+                result["up_s"] = up_s
+            else:
+                result.update(wait_ready(url, proc, t_spawn, startup_timeout, interval))
+            result["programs"] = programs_of(result.get("health"))
             # a fresh client, as an SDK client created after the server came up: a new connection
             with httpx.Client(timeout=httpx.Timeout(request_timeout)) as c:
                 r1 = timed_request(c, url, *first)
@@ -396,6 +437,28 @@ def run_scenario(
         with contextlib.suppress(OSError):
             result["log_tail"] = log_path.read_text(errors="replace")[-3000:]
     return result
+
+
+def programs_of(health) -> dict | None:
+    """What /health says of the programs at ready: counts, seconds, and each build."""
+    p = health.get("programs") if isinstance(health, dict) else None
+    if not isinstance(p, dict):
+        return None
+    keep = ("compiled", "loaded", "jax_cache_hits", "dry_calls", "build_seconds", "builds")
+    return {k: p[k] for k in keep if k in p}
+
+
+def programs_lines(name: str, programs: dict | None) -> list[str]:
+    if not programs:
+        return [f"{name}: /health reports no programs"]
+    builds = programs.get("builds") or []
+    lines = [
+        f"{name}: {programs.get('compiled', 0)} programs compiled, {programs.get('loaded', 0)} loaded, "
+        f"{programs.get('build_seconds', 0):.1f} s in all (the last {len(builds)} below, slowest first)"
+    ]
+    for b in sorted(builds, key=lambda b: -b["seconds"]):
+        lines.append(f"  {b['seconds']:7.3f} s  {b['how']:8s} {b['program']}")
+    return lines
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -417,6 +480,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=300.0, help="per-request client timeout (default 300)")
     p.add_argument("--poll-interval", type=float, default=0.05, help="seconds between /health polls (default 0.05)")
     p.add_argument("--first-request-target", type=float, default=2.0, help="seconds (default 2)")
+    p.add_argument(
+        "--at-up",
+        action="store_true",
+        help="send the first request as soon as /health first answers (not after ready), as the SDK would",
+    )
+    p.add_argument("--at-up-target", type=float, default=5.0, help="seconds for the --at-up request (default 5)")
     p.add_argument(
         "--second-start-ratio", type=float, default=0.5, help="cache-second / cache-first ready time (default 0.5)"
     )
@@ -456,15 +525,18 @@ def main(argv: list[str] | None = None) -> int:
                 startup_timeout=args.startup_timeout,
                 request_timeout=args.request_timeout,
                 interval=args.poll_interval,
+                at_up=args.at_up,
             )
             report["results"][name] = r
             print(
                 f"{name} ({served_dtype(r) or 'dtype ?'}): up {_s(r.get('up_s'))}, ready {_s(r.get('ready_s'))}, "
                 f"first request {_cell(r.get('first_request_s'), '.3f')} s, "
                 f"second request {_cell(r.get('second_request_s'), '.3f')} s"
+                + (f", request at up {_cell(r.get('at_up_request_s'), '.3f')} s" if "at_up_request" in r else "")
                 + (f"\n  ERROR {r['error']}\n{r.get('log_tail', '')}" if r.get("error") else ""),
                 flush=True,
             )
+            print("\n".join(programs_lines(name, r.get("programs"))), flush=True)
     except KeyboardInterrupt:
         print("interrupted; the server was stopped", file=sys.stderr)
         return 130
@@ -477,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     report["cache_second_vs_first"] = ratio(
         (res.get("cache-second") or {}).get("ready_s"), (res.get("cache-first") or {}).get("ready_s")
     )
-    report["checks"] = checks(res, args.first_request_target, args.second_start_ratio)
+    report["checks"] = checks(res, args.first_request_target, args.second_start_ratio, args.at_up_target)
     print()
     print(table(res))
     if report["cache_second_vs_first"] is not None:

@@ -235,6 +235,33 @@ def test_checks():
     assert C.ratio(5, 10) == 0.5 and C.ratio(None, 10) is None and C.ratio(5, 0) is None
 
 
+def test_at_up_request_check_and_program_report():
+    res = {"warmup": {**_scen(20, 0.5), "at_up_request": {"status": 200, "s": 4.0}, "at_up_request_s": 4.0}}
+    assert ("PASS", "warmup: request sent at /health up 4.000 s < 5 s") in C.checks(res, 2.0, 0.5, 5.0)
+    res["warmup"].update(at_up_request={"status": 503, "s": 0.1}, at_up_request_s=None)
+    assert ("FAIL", "warmup: request sent at /health up no answer < 5 s") in C.checks(res, 2.0, 0.5, 5.0)
+    assert "answered in – s (HTTP 503)" in C.markdown({"results": res})
+    assert C.build_parser().parse_args(["--at-up"]).at_up and C.build_parser().parse_args([]).at_up_target == 5.0
+    health = {
+        "programs": {
+            "compiled": 2,
+            "loaded": 1,
+            "build_seconds": 3.5,
+            "builds": [
+                {"program": "extend", "how": "compiled", "seconds": 1.0},
+                {"program": "read_rows", "how": "loaded", "seconds": 0.5},
+                {"program": "read_rows", "how": "compiled", "seconds": 2.0},
+            ],
+            "other": "x",
+        }
+    }
+    progs = C.programs_of(health)
+    assert "other" not in progs and C.programs_of({}) is None and C.programs_of(None) is None
+    lines = C.programs_lines("warmup", progs)
+    assert lines[0] == "warmup: 2 programs compiled, 1 loaded, 3.5 s in all (the last 3 below, slowest first)"
+    assert [line.split()[0] for line in lines[1:]] == ["2.000", "1.000", "0.500"]  # slowest first
+
+
 def test_cold_start_table_and_markdown():
     res = {
         "cold": {**_scen(12.5, 4.25, 0.75), "flags": ["--no-warmup"], "health": {"dtype": "bfloat16"}},

@@ -14,12 +14,14 @@ party reads it, so the document is held to what any client generator or fuzzer w
 Examples, coverage (boundary values, unexpected methods and content types) and fuzzing phases, run by
 the engine that `st run` drives (schemathesis' pytest plugin cannot take a schema from a fixture under
 pytest 9.2: its lazy loader writes `Node._nodeid`, which pytest 9.2 no longer has). Generation is
-derandomized, so a CI run sends the same requests every time.
+derandomized, so a CI run sends the same requests every time. $LEV_FUZZ_EXAMPLES sets the fuzzing
+budget per operation (default 200) for a longer run.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections import Counter
 
@@ -33,7 +35,8 @@ from lev_jax.server import ServerConfig, create_app
 from lev_jax.server.testing import ThreadServer
 from lev_jax.testing import save_tiny_checkpoint
 
-MAX_EXAMPLES = 200  # fuzzing-phase cases per operation (positive and negative together)
+# fuzzing-phase cases per operation (positive and negative together); $LEV_FUZZ_EXAMPLES runs longer
+MAX_EXAMPLES = int(os.environ.get("LEV_FUZZ_EXAMPLES") or 200)
 MAX_BODY_BYTES = 2048  # generated bodies larger than this (serialized) are not sent: few shape buckets
 RESPONSE_TIME_S = 30.0  # per request; a first-use compile of the tiny model takes about a second
 

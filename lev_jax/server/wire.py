@@ -105,7 +105,13 @@ class Asset(_Strict):
     data_base64: Annotated[str, StringConstraints(max_length=domain.MAX_ASSET_BASE64_CHARS)] = Field(
         None, description="Base64-encoded image bytes."
     )
-    part: Id = Field(None, description="Multipart part holding the raw bytes (then data_base64 is ignored).")
+    part: Id = Field(
+        None,
+        description="Multipart part holding the raw bytes (then data_base64 is ignored): the name of a part this "
+        "request carries besides `request`, named by no other asset. A name the request does not carry (and any "
+        "`part` in an application/json body, which has no parts) is answered 400: a cross-reference JSON Schema "
+        "cannot state.",
+    )
 
     @model_validator(mode="after")
     def _has_data(self) -> Asset:

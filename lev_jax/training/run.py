@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import fcntl
 import json
 import logging
 import os
@@ -48,6 +47,8 @@ def lock(run_dir):
     its checkpoints, history and calibration. An exclusive flock, so the kernel releases it however
     the holder ends (no stale lock after kill -9); the file keeps the holder's pid for the message.
     RunLocked at once when another process holds it."""
+    import fcntl  # POSIX; imported here so that loading a run for serving needs no lock support
+
     run_dir = Path(run_dir)
     created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)

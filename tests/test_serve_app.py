@@ -358,7 +358,9 @@ def test_requests_whose_client_left_are_cancelled(engine):
         post(s, body(heavy, state="warm " * 300))  # compile the shapes first
 
         async def abandon():
-            async with httpx.AsyncClient(timeout=httpx.Timeout(0.15)) as c:
+            # the clients leave while waiting for their answers; connecting and sending get time enough
+            # on a loaded machine (else no request reaches the server and nothing is cancelled)
+            async with httpx.AsyncClient(timeout=httpx.Timeout(0.15, connect=10, write=10, pool=10)) as c:
                 tasks = [
                     c.post(s.url + "/v1/systemone", json=body(heavy, state=f"{i} " + "words " * 300)) for i in range(12)
                 ]

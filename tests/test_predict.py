@@ -252,9 +252,10 @@ def test_token_limits_are_checked_before_any_work(tiny):
     assert tiny.compiled_programs == before
 
 
-def test_schema_first_refuses_a_repeated_state_over_the_budget_before_building_rows(tiny, monkeypatch):
+def test_a_state_over_the_budget_is_refused_before_any_row_is_built(tiny, monkeypatch):
     """Schema first, each question row repeats the state: a state that, once per question, is over
-    the token budget is refused from one tokenizing of the state, before any row tokenizes it again."""
+    the token budget is refused from one tokenizing of the state, before any row tokenizes it again;
+    state first, a prefix that leaves no room for a question is refused before the questions' rows."""
     from lev_jax.readout import plan as plan_lib
 
     engine = lev_jax.Engine(tiny.backbone, layout="schema_first")
@@ -270,6 +271,10 @@ def test_schema_first_refuses_a_repeated_state_over_the_budget_before_building_r
     assert rows == []  # refused before any row was built
     engine.plan(state, {"q0": noul, "q1": noul})  # within the budget: planned as before
     assert rows
+    rows.clear()  # state first, a prefix that leaves no room for a question is refused from itself
+    with pytest.raises(TokenLimitError, match="state \\+ longest question is at least"):
+        tiny.plan("word " * 33000, {f"q{i}": noul for i in range(100)})
+    assert rows == []
 
 
 @pytest.mark.parametrize(

@@ -412,13 +412,19 @@ class Planner:
         """Round 2 of a grouped choice: one readout over each group's winning option."""
         return self.choice_readout(state_text, qp.question, winners)
 
-    def _check_repeated_state(self, state_text: str, n_questions: int) -> None:
-        """Schema first, every question row repeats the state: a request whose state alone, once per
-        question, is over the token budget is refused (TokenLimitError) before any row is built, so
-        building the rows (each tokenizing the state again) costs at most what the budget allows: a
-        262k-character state asked 512 questions would otherwise tokenize the state 1,000 times and
-        hold every row's tokens. The state is tokenized once here; state first, its prefix already is."""
+    def _check_state_budget(self, state_text: str, prefix: list[int] | None, n_questions: int) -> None:
+        """Refuse (TokenLimitError) a request whose state alone is over the token budgets before any
+        question row is built. State first, the prefix (tokenized once, and kept) must leave room for
+        a question. Schema first, every row repeats the state: a state that, once per question, is over
+        the budget is refused here, so building the rows (each tokenizing the state again) costs at
+        most what the budget allows: a 262k-character state asked 512 questions would otherwise
+        tokenize it 1,000 times and hold every row's tokens."""
         if self.layout != "schema_first":
+            if prefix is not None and len(prefix) + 1 > domain.MAX_STATE_PLUS_QUESTION_TOKENS:
+                raise TokenLimitError(
+                    f"state + longest question is at least {len(prefix) + 1} tokens; the limit is "
+                    f"{domain.MAX_STATE_PLUS_QUESTION_TOKENS}"
+                )
             return
         n = len(self.tokenizer.encode(self.format.state_block(state_text))) - _BOUNDARY_TOKENS
         if n + 1 > domain.MAX_STATE_PLUS_QUESTION_TOKENS:
@@ -441,7 +447,9 @@ class Planner:
         if images and self.vision is None:
             raise RequestError("this model is text-only and cannot read images")
         text = self.state_text(state)
-        self._check_repeated_state(text, len(questions))
+        # a text state's prefix first (an image state's is built once its questions are checked)
+        prefix = None if images else self.prefix_ids(text)
+        self._check_state_budget(text, prefix, len(questions))
         qplans = [self.question(text, qid, q) for qid, q in questions.items()]
         if any(qp.route == MODE_B for qp in qplans):
             modeb.check_text(text, self.marker[0], "the state", ("state",))
@@ -451,7 +459,7 @@ class Planner:
                 raise RequestError(
                     f"question {qp.qid!r} references image {named[0]!r}: images are read in the state only"
                 )
-        plan = RequestPlan(text, self.prefix_ids(text, images), qplans)
+        plan = RequestPlan(text, self.prefix_ids(text, images) if prefix is None else prefix, qplans)
         check_limits(plan)
         return plan
 

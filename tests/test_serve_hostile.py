@@ -224,14 +224,15 @@ def test_a_loopback_server_answers_loopback_host_names(loopback_only, host):
 def test_serve_checks_host_names_when_bound_to_loopback_without_keys(monkeypatch):
     from lev_jax.server import cli
 
-    def config(host, keys=""):
+    def config(host, keys="", *flags):
         monkeypatch.setenv("LEV_API_KEYS", keys)
         parser = cli.build_parser()
-        return cli.config_from_args(parser.parse_args(["--host", host]), parser)
+        return cli.config_from_args(parser.parse_args(["--host", host, *flags]), parser)
 
     assert config("127.0.0.1").loopback_hosts_only and config("localhost").loopback_hosts_only
     assert not config("127.0.0.1", keys="k1").loopback_hosts_only  # a key is the check then
     assert not config("0.0.0.0").loopback_hosts_only  # reached under any name (and warned about)
+    assert not config("127.0.0.1", "", "--any-host").loopback_hosts_only  # behind a local proxy
 
 
 def test_arbitrary_method_names_create_no_metric_series(server):

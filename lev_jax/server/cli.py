@@ -101,6 +101,12 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "(GPU, TPU, CPUs with AMX / AVX512-BF16), else float32",
     )
     p.add_argument("--host", default="127.0.0.1")
+    p.add_argument(
+        "--any-host",
+        action="store_true",
+        help="bound to loopback with auth off, still answer requests whose Host names something else (behind a "
+        "local reverse proxy that passes the public name); by default those are answered 421",
+    )
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
         "--max-pending",
@@ -204,7 +210,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         drain_timeout_s=args.drain_timeout,
         api_keys=(keys := api_keys_from_env()),
         # bound to loopback with auth off: a browser page must not reach it under another name
-        loopback_hosts_only=is_loopback_name(args.host) and not keys,
+        loopback_hosts_only=is_loopback_name(args.host) and not keys and not args.any_host,
         warmup_budget_s=0.0 if args.no_warmup else args.warmup_budget,
     )
 

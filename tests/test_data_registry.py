@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from lev_jax.data.guard import resolve_eval_subset
-from lev_jax.data.questions import make_question
+from lev_jax.data.questions import QuestionConfig, make_question
 from lev_jax.data.registry import (
     LETTERS,
     REGISTRY,
@@ -22,7 +22,7 @@ from lev_jax.data.registry import (
 )
 from lev_jax.data.sources import map_roles
 from lev_jax.data.splits import HashRng
-from lev_jax.domain import RATING_NO, RATING_YES
+from lev_jax.domain import BAND_RANGES, RATING_NO, RATING_YES
 
 ISSUE_CHOICE = {
     "ag_news",
@@ -287,3 +287,25 @@ def test_programmer_errors_propagate_instead_of_dropping_rows():
     spec = replace(get_spec("strategyqa"), label_fn=broken)
     with pytest.raises(TypeError):
         list(build_examples(spec, [{"question": "Is water wet?", "label": "true"}]))
+
+
+def test_large_taxonomy_subsets_capped_leave_only_full_canonical_sets_in_the_large_band():
+    # the general preset's build: a subset of 27+ shuffled options is a question no other record
+    # asks (no shared prefix in a question-grouped batch); capped at the mid band, every large-band
+    # train question is the full set in canonical order, and "5 of 77" subsets are still drawn
+    spec = get_spec("banking77")
+    canonical = [o.key for o in spec.options]
+    ex = {"text": "my card was charged twice", "label": canonical[40]}
+    top = BAND_RANGES["mid"][1]
+    capped = QuestionConfig(full_set_fraction=0.5, min_large_options=2, max_subset_options=top)
+    sizes = Counter()
+    for i in range(300):
+        q = make_question(spec, ex, "train", HashRng("cap", i), capped)
+        keys = list(q["question"]["criteria"])
+        assert q["target"] in keys
+        assert len(keys) <= top or keys == canonical
+        sizes["full" if keys == canonical else "small" if len(keys) <= 8 else "mid"] += 1
+    assert sizes["full"] > 100 and sizes["small"] > 20 and sizes["mid"] > 50
+    uncapped = QuestionConfig(full_set_fraction=0.5, min_large_options=2)
+    qs = [make_question(spec, ex, "train", HashRng("cap", i), uncapped)["question"] for i in range(300)]
+    assert any(top < len(q["criteria"]) < len(canonical) for q in qs)  # what the cap removes

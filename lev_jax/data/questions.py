@@ -6,8 +6,9 @@
   source can reach (small <= 8, mid 9-26, large > 26) so every band gets rows;
 * train: paraphrased wording; choice option sets subsampled (gold kept), shuffled and sometimes
   stripped of descriptions; large taxonomies (> 26 options) keep the full set in canonical order
-  half the time ("Mode B" data) and are otherwise cut to >= 15 options; Noul questions are negated
-  (target flipped) at the source's negation fraction and sometimes lose their yes/no criteria.
+  half the time ("Mode B" data) and are otherwise cut to >= 15 options (and <= max_subset_options);
+  Noul questions are negated (target flipped) at the source's negation fraction and sometimes lose
+  their yes/no criteria.
 
 Targets: choice -> option key, score -> level index, Noul -> rating 8 (yes) or 0 (no).
 ``target_dist`` is the matching one-hot (uniform for abstain rows) over the criteria order, the
@@ -31,6 +32,10 @@ class QuestionConfig:
     strip_fraction: float = 0.3  # train: choice descriptions dropped
     full_set_fraction: float = 0.5  # train: large taxonomies keep the full canonical set (Mode B)
     min_large_options: int = 15  # train: large taxonomies are otherwise cut to at least this many
+    # train: > 0, a large taxonomy's subsets list at most this many options (0: up to all but one).
+    # At most LARGE_TAXONOMY, every large-band train question is then the full set in canonical order
+    # (a few distinct questions, many records each), the subsets small / mid choices
+    max_subset_options: int = 0
     noul_null_criteria_fraction: float = 0.3  # train: Noul criteria set to null
 
 
@@ -75,6 +80,9 @@ def make_question(
             else:
                 lo = min(cfg.min_large_options, n) if n > LARGE_TAXONOMY else min(2, n)
                 hi = n - 1 if n > LARGE_TAXONOMY else n
+                if n > LARGE_TAXONOMY and cfg.max_subset_options > 0:
+                    hi = min(hi, cfg.max_subset_options)
+                    lo = min(lo, hi)
                 k = rng.randint(lo, hi)
                 chosen = _subset(opts, gold, k, rng)
                 full = k == n

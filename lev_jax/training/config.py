@@ -48,6 +48,7 @@ class TrainConfig:
     data_strip_fraction: float = 0.3  # recipe builds: train choices whose option descriptions are dropped
     data_full_set_fraction: float = 0.5  # recipe builds: train large taxonomies asked with every option
     data_min_large_options: int = 15  # recipe builds: a large taxonomy's train subsets keep at least this many
+    data_max_subset_options: int = 0  # recipe builds: > 0, a large taxonomy's train subsets keep at most this many
     readouts: tuple[str, ...] = ()  # train only these data readouts ("choice", "score", "noul_rating")
     max_tokens: int = 4096  # examples whose prefix + longest row exceed this are skipped (counted)
     round2: bool = True  # grouped large choices: also train the re-read of the group winners
@@ -162,6 +163,10 @@ class TrainConfig:
             ),
             (self.question_group_min >= 0, "question_group_min must be >= 0"),
             (self.data_min_large_options >= 2, "data_min_large_options must be >= 2"),
+            (
+                self.data_max_subset_options == 0 or self.data_max_subset_options >= 2,
+                "data_max_subset_options must be 0 (up to all but one) or >= 2",
+            ),
             (
                 self.noul_readout in domain.NOUL_READOUTS,
                 f"noul_readout must be one of {', '.join(domain.NOUL_READOUTS)}",
@@ -345,6 +350,14 @@ PRESETS: Mapping[str, Mapping[str, Any]] = types.MappingProxyType(
             data_full_set_fraction=0.5,
             # subsets of a large taxonomy down to two options: "5 of banking77's intents" is asked
             data_min_large_options=2,
+            # ... and up to 26 (the mid band's top): a subset of 27+ options in a shuffled order is a
+            # question no other record asks, so it cannot share its options block as a batch's prefix,
+            # and batched by readout (8 rows of up to 2,048 tokens, in the Mode A part and again in
+            # the Mode B part) one such step cost as much as ~30 others. Every large-band train
+            # question is then the full set in canonical order (question-grouped, one prefix per step;
+            # Mode B's marked rows list it in a random order per batch), the subsets small / mid
+            # choices trained in both layouts (docs/training.md, "General default")
+            data_max_subset_options=domain.BAND_RANGES["mid"][1],
             layout="state_first",
             layouts=("state_first", "schema_first"),
             large_layout="schema_first",

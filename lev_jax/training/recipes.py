@@ -83,6 +83,7 @@ def build(cfg: TrainConfig, out: Path) -> dict:
             strip_fraction=cfg.data_strip_fraction,
             full_set_fraction=cfg.data_full_set_fraction,
             min_large_options=cfg.data_min_large_options,
+            max_subset_options=cfg.data_max_subset_options,
         )
         result = assemble(
             sources,

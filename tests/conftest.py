@@ -9,13 +9,17 @@ import tempfile
 import pytest
 
 # Hermetic defaults for the whole suite, set before anything imports JAX: one on-disk compilation
-# cache for this session only (a fresh directory, removed at exit; never shared with other runs), so
-# a program the suite compiled once -- the same model at the same shape in another test, or in a
-# server subprocess, which inherits the variable -- is loaded, not compiled again (tests of the cache
-# set their own); and dtype="auto" means fp32 on every machine (the tests' tolerances are fp32's).
-if "LEV_JAX_CACHE" not in os.environ:
-    os.environ["LEV_JAX_CACHE"] = _SESSION_CACHE = tempfile.mkdtemp(prefix="lev_jax_test_xla_")
+# cache for this session only (a fresh directory, removed at exit; never shared with other runs, and
+# never a cache the user exported in $LEV_JAX_CACHE), so a program the suite compiled once -- the same
+# model at the same shape in another test, or in a server or trainer subprocess, which inherits the
+# variable -- is loaded, not compiled again (tests of the cache set their own); and dtype="auto"
+# means fp32 on every machine (the tests' tolerances are fp32's). xdist workers inherit the
+# controller's directory through SESSION_CACHE_ENV.
+SESSION_CACHE_ENV = "LEV_JAX_TEST_SESSION_CACHE"
+if SESSION_CACHE_ENV not in os.environ:
+    os.environ[SESSION_CACHE_ENV] = _SESSION_CACHE = tempfile.mkdtemp(prefix="lev_jax_test_xla_")
     atexit.register(shutil.rmtree, _SESSION_CACHE, ignore_errors=True)
+os.environ["LEV_JAX_CACHE"] = os.environ[SESSION_CACHE_ENV]
 os.environ.setdefault("LEV_JAX_DTYPE", "float32")
 
 import lev_jax  # noqa: E402

@@ -18,23 +18,10 @@ from lev_jax.data.guard import ContaminationError
 from lev_jax.data.registry import BANKING77_LABELS, REGISTRY, build_examples, get_spec
 from lev_jax.data.sources import discover_local, iter_local, local_from_arg
 from lev_jax.domain import band_of
+from lev_jax.training.config import GENERAL_SOURCES
 
-TRAIN_DATA_SOURCES = (
-    "sst2",
-    "sst2_positive",
-    "sst5",
-    "sst5_3",
-    "snips",
-    "commonsense_qa",
-    "ai2_arc",
-    "arc_challenge",
-    "openbookqa",
-    "openbookqa_correct",
-    "strategyqa",
-    "qnli",
-    "dbpedia_subset",
-    "copa",
-)
+# the general preset's sources that read ../shared/train-data (the other two read ../shared/eval-data)
+TRAIN_DATA_SOURCES = tuple(s for s in GENERAL_SOURCES if s not in ("banking77", "clinc_oos"))
 WORDS = ["amber", "brisk", "cedar", "dune", "ember", "fjord", "grove", "haze", "iris", "jade", "kelp", "lark"]
 
 

@@ -47,7 +47,7 @@ def test_overrides_are_typed():
     cfg = config.resolve("tiny", config.parse_sets(["lr=0.5", "calibrate=false", "readouts=choice,score", "steps=3"]))
     assert (cfg.lr, cfg.calibrate, cfg.readouts, cfg.steps) == (0.5, False, ("choice", "score"), 3)
     assert config.TrainConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
-    assert set(config.PRESETS) == {"tiny", "smollm2", "smoke", "2b", "4b", "4b-instruct", "9b"}
+    assert set(config.PRESETS) == {"tiny", "smollm2", "general", "smoke", "2b", "4b", "4b-instruct", "9b"}
     assert config.resolve("2b").full_finetune and config.resolve("4b-instruct").prompt_style == "chat"
 
 

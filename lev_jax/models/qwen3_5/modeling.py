@@ -175,48 +175,63 @@ def _l2norm(x, eps=1e-6):
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
+def unit_lower_inverse(a_CC):
+    """(I + L)^-1 for L the strictly lower part of `a` ([..., C, C], C a power of two; its diagonal
+    and upper part are never read), in plain XLA ops: no LAPACK call.
+
+    Recursive 2x2 block inversion, every block of a level at once: from the inverses X11, X22 of the
+    diagonal blocks of size s, the inverse of the block of size 2s is [[X11, 0], [X21, X22]] with
+    X21 = -X22 A21 X11 -- log2(C) levels of batched matmuls from the 1x1 blocks (whose inverse is 1) up.
+    Why no LAPACK: on CPU, jaxlib 0.10's LAPACK kernels (trsm) fan their batch out on XLA's intra-op
+    thread pool and block until it is done, so two solves that XLA runs at the same time -- a training
+    step's independent layers, or one program per host device when several run -- can hold every pool
+    thread and wait on each other forever. Equal to substitution up to fp32 rounding (the triangular
+    inverse by blocks is as stable as by columns: Du Croz & Higham, 1992)."""
+    C = a_CC.shape[-1]
+    if C & (C - 1):
+        raise ValueError(f"unit_lower_inverse needs a power-of-two size, got {C}")
+    lead = a_CC.shape[:-2]
+    inv = jnp.ones((*lead, C, 1, 1), a_CC.dtype)  # [..., blocks, s, s] at s = 1
+    s = 1
+    while s < C:
+        n = C // (2 * s)
+        # the diagonal blocks of size 2s: [..., n, 2s, n, 2s] -> [..., n, 2s, 2s]
+        blocks = a_CC.reshape(*lead, n, 2 * s, n, 2 * s)
+        idx = jnp.arange(n)
+        diag = blocks[..., idx, :, idx, :]  # advanced indices first: [n, ..., 2s, 2s]
+        diag = jnp.moveaxis(diag, 0, -3)
+        a21 = diag[..., s:, :s]
+        pair = inv.reshape(*lead, n, 2, s, s)
+        x11, x22 = pair[..., 0, :, :], pair[..., 1, :, :]
+        x21 = -jnp.matmul(x22, jnp.matmul(a21, x11, precision=HIGHEST), precision=HIGHEST)
+        top = jnp.concatenate([x11, jnp.zeros_like(x11)], axis=-1)
+        bottom = jnp.concatenate([x21, x22], axis=-1)
+        inv = jnp.concatenate([top, bottom], axis=-2)  # [..., n, 2s, 2s]
+        s *= 2
+    return inv.reshape(*lead, C, C)
+
+
 @jax.custom_vjp
 def solve_unit_lower(a_CC, b_CD):
-    """x with a x = b for unit lower-triangular a ([..., C, C]; only its strictly lower part is read).
-
-    Evaluated plainly (inference) this is LAPACK's trsm. Under differentiation it never calls
-    LAPACK: on CPU, jaxlib 0.10's LAPACK kernels fan their batch out on XLA's intra-op thread pool
-    and block until it is done, so two solves that XLA runs at the same time can hold every pool
-    thread and wait on each other forever. A training step has such independent solves (a prefix's
-    layers beside the layers of the rows continuing it; rematerialised layers) and deadlocked on 2
-    cores; the substitutions below are plain XLA ops (equal to trsm up to fp32 rounding)."""
-    return jax.lax.linalg.triangular_solve(a_CC, b_CD, left_side=True, lower=True, unit_diagonal=True)
-
-
-def _substitute(m_CC, b_CD, reverse: bool):
-    """y with y_i = b_i - sum_j m[i, j] y_j, visiting i upwards (forward substitution: only m's
-    strictly lower part counts) or downwards (back substitution: only its strictly upper part).
-    Rows not yet visited are still zero, so the full row product is the sum over the visited j, and
-    neither m's diagonal nor its other triangle ever counts."""
-    C = m_CC.shape[-1]
-
-    def step(n, y_CD):
-        i = C - 1 - n if reverse else n
-        row_C = jax.lax.dynamic_index_in_dim(m_CC, i, axis=-2, keepdims=False)
-        b_i = jax.lax.dynamic_index_in_dim(b_CD, i, axis=-2, keepdims=False)
-        y_i = b_i - jnp.einsum("...j,...jd->...d", row_C, y_CD, precision=HIGHEST)
-        return jax.lax.dynamic_update_index_in_dim(y_CD, y_i, i, axis=-2)
-
-    return jax.lax.fori_loop(0, C, step, jnp.zeros_like(b_CD))
+    """x with a x = b for unit lower-triangular a ([..., C, C]; only its strictly lower part is read),
+    as (a^-1) b with the inverse in plain XLA ops (`unit_lower_inverse`): inference and training run
+    the same solve, and neither calls LAPACK (whose CPU kernels can deadlock XLA's thread pool)."""
+    return jnp.matmul(unit_lower_inverse(a_CC), b_CD, precision=HIGHEST)
 
 
 def _solve_unit_lower_fwd(a_CC, b_CD):
-    x_CD = _substitute(a_CC, b_CD, reverse=False)
-    return x_CD, (a_CC, x_CD)
+    inv_CC = unit_lower_inverse(a_CC)
+    x_CD = jnp.matmul(inv_CC, b_CD, precision=HIGHEST)
+    return x_CD, (inv_CC, x_CD)
 
 
 def _solve_unit_lower_bwd(res, g_CD):
-    """x = a^-1 b: the b cotangent solves a^T y = g, the a cotangent is -y x^T on the strictly lower
-    part (the only part the solve reads)."""
-    a_CC, x_CD = res
-    y_CD = _substitute(jnp.swapaxes(a_CC, -1, -2), g_CD, reverse=True)
+    """x = a^-1 b: the b cotangent solves a^T y = g (y = (a^-1)^T g), the a cotangent is -y x^T on
+    the strictly lower part (the only part the solve reads)."""
+    inv_CC, x_CD = res
+    y_CD = jnp.matmul(jnp.swapaxes(inv_CC, -1, -2), g_CD, precision=HIGHEST)
     g_a = -jnp.tril(jnp.matmul(y_CD, jnp.swapaxes(x_CD, -1, -2), precision=HIGHEST), -1)
-    return g_a.astype(a_CC.dtype), y_CD
+    return g_a.astype(inv_CC.dtype), y_CD
 
 
 solve_unit_lower.defvjp(_solve_unit_lower_fwd, _solve_unit_lower_bwd)
@@ -254,7 +269,7 @@ def chunk_gated_delta_rule(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV, 
     v_beta = v * beta[..., None]
     mm = lambda a, b: jnp.matmul(a, b, precision=HIGHEST)
     ut = mm(k_beta, jnp.swapaxes(k, -1, -2)) * decay_CC
-    # both right-hand sides in one solve: one LAPACK call where two could run at once (solve_unit_lower)
+    # both right-hand sides in one solve: one inverse, one matmul
     solved = solve_unit_lower(ut, jnp.concatenate([v_beta, k_beta * jnp.exp(cum)[..., None]], axis=-1))
     new_v, k_cumdecay = solved[..., :Dv], solved[..., Dv:]
     intra = mm(q, jnp.swapaxes(k, -1, -2)) * decay_CC

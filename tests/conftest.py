@@ -72,3 +72,39 @@ def pytest_runtest_setup(item):
         if in_ci():
             pytest.fail(f"{reason}; CI is set, so a missing shared folder fails instead of skipping", pytrace=False)
         pytest.skip(reason)
+
+
+# The heavy modules (minutes each on a 2-core CPU: the real model's goldens and parity, training runs
+# in subprocesses, server processes, fuzzers, the wheel build), marked `slow` here in one place:
+# `make test-fast` (-m "not slow") leaves them out for iterating; `make test` and CI run them all.
+SLOW_MODULES = frozenset(
+    {
+        "test_data_build.py",
+        "test_default_golden.py",
+        "test_default_release.py",
+        "test_gguf.py",
+        "test_llama.py",
+        "test_multihost.py",
+        "test_packaging.py",
+        "test_predict.py",
+        "test_predict_golden.py",
+        "test_qwen3_5_vision.py",
+        "test_release.py",
+        "test_serve_cold.py",
+        "test_serve_fuzz.py",
+        "test_serve_openapi_fuzz.py",
+        "test_serve_process.py",
+        "test_serve_warmup.py",
+        "test_train_exits.py",
+        "test_train_mesh.py",
+        "test_train_presets.py",
+        "test_train_run.py",
+        "test_vision.py",
+    }
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)

@@ -172,28 +172,43 @@ def test_plan_counts_mode_b_marked_rows_the_head_and_their_attention(tmp_path):
     assert "0 routed" in d.data and d.tokens_per_example == a.tokens_per_example
 
 
-def test_training_warns_before_it_starts_when_the_plan_exceeds_the_device(tmp_path, monkeypatch, capsys):
-    """`python -m train` prints the plan's refusal as one warning line before the first step (a process
-    past the host's memory is killed without a word in its log), and nothing when the plan fits."""
+def test_training_refuses_before_it_starts_when_the_plan_exceeds_the_device(tmp_path, monkeypatch, capsys):
+    """`python -m train` refuses in one line (exit 2) before the trainer exists when the plan's estimate
+    exceeds the named accelerator, naming settings that would fit (a process past the host's memory is
+    killed without a word in its log); a run that fits passes."""
     import dataclasses
 
-    from lev_jax.training import config, plan, recipes
+    from lev_jax.training import plan, recipes
 
-    cfg = config.resolve("tiny", {"mode_b": True, "mode_b_min_options": 3})
     data = tmp_path / "data"
+    cfg = config.resolve("tiny", {"data": str(data)})
     recipes.build(cfg, data)
-    lines = []
-    cli.warn_if_too_big(cfg, data, lines.append)
-    assert lines == []
-    small = dataclasses.replace(plan.ACCELERATORS["cpu"], memory=1e6)
-    monkeypatch.setitem(plan.ACCELERATORS, "cpu", small)
-    # a run whose every example is over max_tokens stops at its first batch, after the warning
-    # (the warning is printed where the data is ready, before the trainer exists)
-    run = ["--preset", "tiny", "--out", str(tmp_path / "run"), "--set", f"data={data}", "--set", "max_tokens=16"]
+    cli.refuse_if_too_big(cfg, data)  # fits: nothing
+    need = plan.estimate(cfg, data_dir=data).total_memory
+    need_full = plan.estimate(dataclasses.replace(cfg, remat="full"), data_dir=data).total_memory
+    assert need_full < need
+    # room for the run under full remat, not as the preset sets it
+    room = dataclasses.replace(plan.ACCELERATORS["cpu"], memory=(need + need_full) / 2 / plan.HEADROOM)
+    monkeypatch.setitem(plan.ACCELERATORS, "cpu", room)
+    fit = cli.settings_that_fit(cfg, data)
+    assert fit is not None and "remat" in fit
+    assert plan.estimate(dataclasses.replace(cfg, **fit), data_dir=data).fits
+    run = ["--preset", "tiny", "--out", str(tmp_path / "run"), "--set", f"data={data}"]
     assert cli.main(run) == 2
     captured = capsys.readouterr()
-    warned = [line for line in captured.out.splitlines() if line.startswith("warning: preset 'tiny' needs")]
-    assert len(warned) == 1 and "--set " in warned[0] and "max_tokens" in captured.err
+    err = captured.err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: preset 'tiny' needs ~"), err
+    assert " ".join(f"--set {k}={v}" for k, v in fit.items()) in err
+    assert "training tiny" not in captured.out and not (tmp_path / "run" / "checkpoints").exists()
+    # the named settings do start (a run whose every example is over max_tokens stops at its first batch)
+    sets = [x for k, v in fit.items() for x in ("--set", f"{k}={v}")]
+    assert cli.main([*run, *sets, "--set", "max_tokens=16"]) == 2
+    assert "max_tokens" in capsys.readouterr().err
+    # where nothing the trainer can turn fits, it says to shard
+    monkeypatch.setitem(plan.ACCELERATORS, "cpu", dataclasses.replace(room, memory=1e6))
+    assert cli.main(run) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--mesh fsdp=N" in err
 
 
 def test_a_second_trainer_on_a_run_directory_refuses_at_once(tmp_path):

@@ -63,18 +63,30 @@ class Checkpoints:
         *,
         read_only: bool = False,
         warn: Callable[[str], None] | None = None,
+        local: bool = False,
     ):
+        """`local` (read-only): this process reads alone, onto its own first device (a run loaded for
+        serving or calibration while other processes of a multi-host job do not take part); Orbax's
+        managers otherwise wait for every process at their start."""
         self.run_dir = Path(run_dir).absolute()
         self.dir = self.run_dir / "checkpoints"
         self.warn = warn or log.warning
         if read_only and not self.dir.is_dir():
             raise FileNotFoundError(f"{self.run_dir} has no checkpoints/ (not a training run directory)")
+        self.local = local and read_only and jax.process_count() > 1
+        solo = {}
+        if self.local:
+            me = jax.process_index()
+            solo["multiprocessing_options"] = ocp.options.MultiprocessingOptions(
+                primary_host=me, active_processes={me}, barrier_sync_key_prefix=f"lev_jax_local_{me}"
+            )
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None if read_only else keep,
             create=not read_only,
             read_only=read_only,
             enable_async_checkpointing=False,
             save_interval_steps=0 if read_only else 1,
+            **solo,
         )
         absl_log = logging.getLogger("absl")
         level = absl_log.level
@@ -148,12 +160,19 @@ class Checkpoints:
 
     def restore_trainable(self, step: int | None = None):
         """(step, trainable tree as saved, meta) of the newest readable checkpoint, without the
-        optimiser state or the data iterator (loading a run for serving)."""
+        optimiser state or the data iterator (loading a run for serving), on this process's first
+        device."""
         steps = [step] if step is not None else self.steps()[::-1]
         for s in steps:
             try:
+                # onto this process's first device, whatever mesh and processes saved it (Orbax
+                # refuses a checkpoint of another topology without a target: a multi-host run's)
+                dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+                saved = self.mngr.item_metadata(s)["trainable"]
+                target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=dev), saved)
                 got = self.mngr.restore(
-                    s, args=ocp.args.Composite(trainable=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore())
+                    s,
+                    args=ocp.args.Composite(trainable=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()),
                 )
                 return s, got["trainable"], got["meta"]
             except Exception as e:  # noqa: BLE001
@@ -182,9 +201,13 @@ class Checkpoints:
             f"skipping corrupt checkpoint {src} ({type(error).__name__}: "
             f"{str(error).splitlines()[0] if str(error) else ''}); moved to {dest}"
         )
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        if src.exists():
-            shutil.move(str(src), str(dest))
+        from lev_jax.training import hosts
+
+        with hosts.first("checkpoint quarantine") as mine:  # one mover; the others wait for it
+            if mine:
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                if src.exists():
+                    shutil.move(str(src), str(dest))
         self.mngr.reload()
 
     def close(self) -> None:

@@ -28,7 +28,9 @@ EXIT_BAD_INPUT = 2
 # (an embedded-SmolLM2 LoRA step: 29 GB of temporaries instead of 5.5 GB with it off) and made the
 # Qwen3.5 gradient hang more often on this 2-core machine; it is a CPU flag, ignored elsewhere.
 XLA_DEFAULTS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",)
-DISTRIBUTED_ENV = "LEV_JAX_DISTRIBUTED"  # "1": jax.distributed.initialize() first (multi-host)
+# "1": jax.distributed.initialize() first (multi-host), from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES
+# and JAX_PROCESS_ID when they are set (training.hosts)
+DISTRIBUTED_ENV = "LEV_JAX_DISTRIBUTED"
 # keys a resumed run may change (everything else changes what it trains: use --fresh)
 RESUMABLE = frozenset(
     {
@@ -79,7 +81,13 @@ def setup_runtime() -> None:
 
     runtime.enable_compilation_cache(min_compile_s=1.0)  # $LEV_JAX_CACHE or the per-user directory
     if os.environ.get(DISTRIBUTED_ENV) == "1":
-        jax.distributed.initialize()
+        from lev_jax.training import hosts
+
+        try:
+            kwargs = hosts.settings()
+        except hosts.DistributedSetupError as e:
+            raise UsageError(str(e)) from None
+        jax.distributed.initialize(**kwargs)
 
 
 def one_line(e: BaseException) -> str:
@@ -222,18 +230,57 @@ def resolve_config(args, run_dir: Path):
     return config.resolve(args.preset, over)
 
 
-def warn_if_too_big(cfg, data_dir: Path, out) -> None:
-    """One warning line before training when `train plan`'s estimate exceeds the device: a process
-    past the host's memory is killed by the kernel without a word in the run's log. A warning, not a
-    refusal: the estimate is a model of the step, and the run may still fit."""
+def settings_that_fit(cfg, data_dir: Path | None, devices: int | None = None) -> dict | None:
+    """The smallest change of `cfg` (as --set values) whose `train plan` estimate fits its
+    accelerator: a stronger remat at the preset's batch size, then the batch halved under full remat,
+    then bfloat16 weights; None when none fits (or the plan cannot size it)."""
     from lev_jax.training import plan
 
     try:
-        estimate = plan.estimate(cfg, data_dir=data_dir)
-    except (ValueError, KeyError, OSError):  # a model or build the plan cannot size: no warning, no harm
+        tokens = plan.data_tokens(cfg, data_dir)  # read once: none of the settings tried changes it
+    except (ValueError, KeyError, OSError):
+        return None
+    order = ("none", "dots", "full")
+    stronger = order[order.index(cfg.remat) + 1 :] if cfg.remat in order else ()
+    tries = [{"remat": r} for r in stronger]
+    remat = {"remat": "full"} if cfg.remat != "full" else {}
+    b = cfg.batch_size // 2
+    while b >= 1:
+        tries.append({**remat, "batch_size": b})
+        b //= 2
+    if cfg.dtype != "bfloat16" and not cfg.full_finetune:
+        tries.append({**remat, "dtype": "bfloat16"})
+    for over in tries:
+        try:
+            c = dataclasses.replace(cfg, **over).validate()
+            if plan.estimate(c, data_dir=data_dir, devices=devices, tokens=tokens).fits:
+                return over
+        except (ValueError, KeyError, OSError):
+            continue
+    return None
+
+
+def refuse_if_too_big(cfg, data_dir: Path, devices: int | None = None) -> None:
+    """Refuse (one line, exit 2) before the first step when `train plan`'s estimate of the run exceeds
+    its accelerator's memory (`--set accelerator=...` names another), naming the settings that would
+    fit: a process past the host's memory is killed by the kernel without a word in the run's log, and
+    a device out of memory fails after minutes of compiling. A model or build the plan cannot size
+    passes."""
+    from lev_jax.training import config, plan
+
+    try:
+        estimate = plan.estimate(cfg, data_dir=data_dir, devices=devices)
+    except (ValueError, KeyError, OSError):  # a model or build the plan cannot size: no refusal, no harm
         return
-    if not estimate.fits:
-        out(f"warning: {estimate.refusal} (python -m train plan sizes it)")
+    if estimate.fits:
+        return
+    fit = settings_that_fit(cfg, data_dir, devices)
+    fix = (
+        "it fits with " + " ".join(f"--set {k}={v}" for k, v in fit.items())
+        if fit is not None
+        else "no remat, batch size or dtype alone fits it: shard it over more devices (--mesh fsdp=N)"
+    )
+    raise config.ConfigError(f"{estimate.refusal.split('; turn ')[0]}; {fix} (python -m train plan sizes it)")
 
 
 def train_main(argv: Sequence[str], out=print) -> int:
@@ -263,7 +310,7 @@ def _train(args, cfg, run_dir: Path, out) -> int:
     import jax
 
     from lev_jax.errors import CheckpointError
-    from lev_jax.training import calibration, loop, run
+    from lev_jax.training import calibration, hosts, loop, run
     from lev_jax.training import mesh as mesh_lib
 
     resume = Path(args.resume) if args.resume else None
@@ -278,12 +325,16 @@ def _train(args, cfg, run_dir: Path, out) -> int:
     base = run.load_base(cfg.model, "float32" if cfg.full_finetune else cfg.dtype)
     mesh = mesh_lib.make(cfg.mesh)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if args.fresh:
-        moved = run.supersede(run_dir)
-        if moved is not None:
-            out(f"--fresh: moved the previous run's checkpoints, history and calibration to {moved}")
-    data_dir = resolve_data(cfg, run_dir, out)
-    warn_if_too_big(cfg, data_dir, out)
+    # what writes the shared run directory, process 0 does alone while the others wait (multi-host)
+    with hosts.first("--fresh") as mine:
+        moved = run.supersede(run_dir) if mine and args.fresh else None
+    if moved is not None:
+        out(f"--fresh: moved the previous run's checkpoints, history and calibration to {moved}")
+    with hosts.first("the data build") as mine:
+        if mine:
+            resolve_data(cfg, run_dir, out)
+    data_dir = resolve_data(cfg, run_dir, out)  # built: every process checks it
+    refuse_if_too_big(cfg, data_dir, devices=len(jax.devices()))
     if jax.process_index() == 0:
         run.write_config(run_dir, cfg)
     stager = None
@@ -292,18 +343,22 @@ def _train(args, cfg, run_dir: Path, out) -> int:
     summary = loop.train(cfg, run_dir, base, data_dir, mesh=mesh, resume=resume, start_adapter=stager, out=out)
     trained = summary.pop("state", None) is not None
     summary.pop("trainer", None)  # free the device copies before calibrating
-    # a rerun fits what an earlier one did not save (or fitted for an older checkpoint)
-    if cfg.calibrate and (
-        trained or not run.calibration_current(run_dir, run.model_name(base.name, cfg, summary["step"]))
-    ):
-        bb, _, meta = run.load_run(run_dir, cfg.dtype, warn_uncalibrated=False)  # fitted now
-        try:
-            calibration.fit_run(cfg, run_dir, bb, data_dir, out=out)
-        except OSError as e:  # a full disk, a read-only directory: the run must not pass for calibrated
-            raise CheckpointError(
-                f"the calibration of {run_dir} could not be saved ({e}): the run is served uncalibrated "
-                f"until `python -m train --out {run_dir}` fits it again"
-            ) from None
+    # a rerun fits what an earlier one did not save (or fitted for an older checkpoint); process 0
+    # alone (on its own devices), the others waiting for it
+    with hosts.first("the calibration") as mine:
+        if (
+            mine
+            and cfg.calibrate
+            and (trained or not run.calibration_current(run_dir, run.model_name(base.name, cfg, summary["step"])))
+        ):
+            bb, _, meta = run.load_run(run_dir, cfg.dtype, warn_uncalibrated=False)  # fitted now
+            try:
+                calibration.fit_run(cfg, run_dir, bb, data_dir, out=out)
+            except OSError as e:  # a full disk, a read-only directory: the run must not pass for calibrated
+                raise CheckpointError(
+                    f"the calibration of {run_dir} could not be saved ({e}): the run is served uncalibrated "
+                    f"until `python -m train --out {run_dir}` fits it again"
+                ) from None
     out(
         f"done: {run_dir} at step {summary['step']} ({summary['tokens']:,} real tokens trained); "
         f"serve it with lev_jax.load({str(run_dir)!r})"

@@ -29,7 +29,7 @@ import optax
 from lev_jax import models, readout
 from lev_jax.readout import exits as exits_lib
 from lev_jax.readout import modeb
-from lev_jax.training import batches, checkpoint, lora
+from lev_jax.training import batches, checkpoint, hosts, lora
 from lev_jax.training import loss as loss_lib
 from lev_jax.training import mesh as mesh_lib
 from lev_jax.training.config import TrainConfig
@@ -102,7 +102,8 @@ class Trainer:
         self.mesh = mesh
         self.optimizer, self.schedule = make_optimizer(cfg)
         self.base_sh = mesh_lib.param_shardings(backbone.params, mesh)
-        self.base = jax.device_put(backbone.params, self.base_sh)
+        # every process holds the whole base; each puts only its own devices' shards (no all-gather)
+        self.base = hosts.put(backbone.params, self.base_sh)
         self.frozen = {} if cfg.full_finetune else self.base
         self.frozen_sh = {} if cfg.full_finetune else self.base_sh
         try:
@@ -142,7 +143,7 @@ class Trainer:
             "opt_state": self.optimizer.init(trainable),
             "train": {"step": jnp.zeros((), jnp.int32), "rng": jax.random.key_data(key)},
         }
-        return jax.device_put(state, self.state_shardings(state))
+        return hosts.put(state, self.state_shardings(state))
 
     def state_shardings(self, state) -> dict:
         m = self.mesh
@@ -266,15 +267,10 @@ class Trainer:
         return self._step_fns[layout](state, self.frozen, batch)
 
     def put_batch(self, arrays: dict[str, np.ndarray]) -> dict:
-        """Host arrays -> global device arrays, groups split over the batch axes (each process
-        passes its own groups: rows only ever read their own group's prefix)."""
-        out = {}
-        for k, v in arrays.items():
-            sh = mesh_lib.batch_sharding(self.mesh, v.ndim)
-            out[k] = (
-                jax.device_put(v, sh) if jax.process_count() == 1 else jax.make_array_from_process_local_data(sh, v)
-            )
-        return out
+        """Host arrays of the global batch (the same on every process: `data_iterator`) -> global
+        device arrays, groups split over the batch axes; each process puts only its own devices'
+        groups (rows only ever read their own group's prefix)."""
+        return hosts.put(arrays, {k: mesh_lib.batch_sharding(self.mesh, v.ndim) for k, v in arrays.items()})
 
 
 def group_scores(params, head, batch, cfg, *, remat: str = "none", rows_per_call: int = 0, exits=None, exit_depths=()):
@@ -417,12 +413,13 @@ class Window:
 
 
 def data_iterator(cfg: TrainConfig, data_dir: Path, renderer: batches.Renderer):
-    """The grain iterator of the train split: this process's shard, rendered through the planner."""
+    """The grain iterator of the train split, rendered through the planner: whole global batches.
+    Every process reads the same plan and renders every example of each step (cheap beside the
+    step), so all of them pack the same global arrays -- the same shapes, the same skipped examples,
+    the same programs -- and each puts only its own devices' groups on them (`Trainer.put_batch`).
+    Per-process shards padded to per-process buckets would give the processes different global
+    shapes (a hang or a crash at the first step), and a different skip count per process."""
     from lev_jax.data import pipeline
-
-    n_proc = jax.process_count()
-    if cfg.batch_size % n_proc:
-        raise TrainingError(f"batch_size {cfg.batch_size} is not a multiple of the {n_proc} processes")
 
     def render(grain_batch):
         examples, skipped = renderer.batch(grain_batch)
@@ -436,27 +433,53 @@ def data_iterator(cfg: TrainConfig, data_dir: Path, renderer: batches.Renderer):
                 data_dir,
                 keys,
                 keep=keep,
-                batch_size=cfg.batch_size // n_proc,
+                batch_size=cfg.batch_size,
                 seed=cfg.seed,
                 window_batches=cfg.window_batches,
                 transform=render,
-                shard_index=jax.process_index(),
-                shard_count=n_proc,
             )
         return pipeline.make_iterator(
             data_dir,
             "train",
-            batch_size=cfg.batch_size // n_proc,
+            batch_size=cfg.batch_size,
             seed=cfg.seed,
             num_epochs=None,
             window_batches=cfg.window_batches,
             readouts=list(cfg.readouts) or None,
             transform=render,
-            shard_index=jax.process_index(),
-            shard_count=n_proc,
         )
     except ValueError as e:
         raise TrainingError(f"no training batches in {data_dir}: {e}") from None
+
+
+def make_renderer(cfg: TrainConfig, tokenizer) -> batches.Renderer:
+    """The planner(s) and renderer that turn `cfg`'s training records into examples."""
+    from lev_jax.readout import Planner
+
+    planners = {
+        layout: Planner(
+            tokenizer,
+            prompt_style=cfg.prompt_style,
+            layout=layout,
+            noul_readout=cfg.noul_readout,
+            option_averaging=cfg.option_averaging,
+            mode_b=cfg.mode_b,
+            mode_b_min_options=cfg.mode_b_min_options,
+        )
+        for layout in dict.fromkeys((cfg.layout, *cfg.layouts, *([cfg.large_layout] if cfg.large_layout else [])))
+    }
+    return batches.Renderer(
+        planners[cfg.layout],
+        planners=planners,
+        mix=cfg.layouts,
+        large_layout=cfg.large_layout,
+        seed=cfg.seed,
+        round2=cfg.round2,
+        max_tokens=cfg.max_tokens,
+        # Mode A rows train the adapter: with it frozen they would cost a forward and teach nothing
+        mode_b_joint=cfg.mode_b_joint and cfg.train_adapter,
+        mode_b_options=cfg.mode_b_options,
+    )
 
 
 def next_examples(it: Iterator, counters: dict) -> list[batches.Example]:
@@ -487,34 +510,8 @@ def train(
     run with no checkpoint yet starts from the adapter it returns, given the freshly initialised one
     (shapes to match), with a name for the history -- the CLI's --from-release passes
     `release.stage_adapter`; a rerun resumes its own checkpoints."""
-    from lev_jax.readout import Planner
-
     warn = warn or out
-    planners = {
-        layout: Planner(
-            backbone.tokenizer,
-            prompt_style=cfg.prompt_style,
-            layout=layout,
-            noul_readout=cfg.noul_readout,
-            option_averaging=cfg.option_averaging,
-            mode_b=cfg.mode_b,
-            mode_b_min_options=cfg.mode_b_min_options,
-        )
-        for layout in dict.fromkeys((cfg.layout, *cfg.layouts, *([cfg.large_layout] if cfg.large_layout else [])))
-    }
-    renderer = batches.Renderer(
-        planners[cfg.layout],
-        planners=planners,
-        mix=cfg.layouts,
-        large_layout=cfg.large_layout,
-        seed=cfg.seed,
-        round2=cfg.round2,
-        max_tokens=cfg.max_tokens,
-        # Mode A rows train the adapter: with it frozen they would cost a forward and teach nothing
-        mode_b_joint=cfg.mode_b_joint and cfg.train_adapter,
-        mode_b_options=cfg.mode_b_options,
-    )
-    it = data_iterator(cfg, data_dir, renderer)
+    it = data_iterator(cfg, data_dir, make_renderer(cfg, backbone.tokenizer))
     trainer = Trainer(cfg, backbone, mesh)
     state = trainer.init_state()
     base = fingerprint(cfg, backbone)
@@ -528,7 +525,7 @@ def train(
         adapter, name = start_adapter(parts(state["trainable"])[0])
         state = {**state, "trainable": {**state["trainable"], **adapter}}
         state["opt_state"] = trainer.optimizer.init(state["trainable"])
-        state = jax.device_put(state, trainer.state_shardings(state))
+        state = hosts.put(state, trainer.state_shardings(state))
         started_from = name
     for s in [wanted] if wanted is not None else source.steps()[::-1]:
         try:  # refuse another base model before restoring anything (an unreadable one: restore says)
@@ -585,7 +582,7 @@ def train(
             trainable = {**trainable, **fresh}
             opt_state = trainer.optimizer.init(trainable)
         state = {"trainable": trainable, "opt_state": opt_state, "train": train_state}
-        state = jax.device_put(state, trainer.state_shardings(state))
+        state = hosts.put(state, trainer.state_shardings(state))
         tokens_before, elapsed_before = int(meta.get("tokens", 0)), float(meta.get("elapsed_s", 0.0))
         history = [e for e in history if e.get("step", 0) <= start]
         out(f"resumed from {source.path(start)} at step {start}")
@@ -604,7 +601,7 @@ def train(
         out(f"nothing to do: the run is at step {start} of {cfg.steps} (pass a larger --steps to continue)")
         return {"step": start, "tokens": tokens_before, "history": history}
     counters = {"skipped": 0, "epoch": 0}
-    mult = max(mesh_lib.batch_multiple(mesh) // jax.process_count(), 1)
+    mult = mesh_lib.batch_multiple(mesh)  # the global batch's groups split over every batch device
     t_start = time.perf_counter()
     window = Window(t_start)
     tokens = tokens_before

@@ -274,7 +274,11 @@ def data_tokens(cfg: TrainConfig, data_dir: Path | None) -> DataTokens:
     )
 
 
-def estimate(cfg: TrainConfig, *, data_dir: Path | None = None, devices: int | None = None) -> Estimate:
+def estimate(
+    cfg: TrainConfig, *, data_dir: Path | None = None, devices: int | None = None, tokens: DataTokens | None = None
+) -> Estimate:
+    """The plan of `cfg`; `tokens`: `data_tokens(cfg, data_dir)` already read (it does not depend on
+    remat, batch size or dtype: a search over those reads the build once)."""
     from lev_jax.training import mesh as mesh_lib
     from lev_jax.training.batches import LENGTHS
 
@@ -285,7 +289,7 @@ def estimate(cfg: TrainConfig, *, data_dir: Path | None = None, devices: int | N
         from lev_jax.readout import modeb
 
         trainable += modeb.head_parameters(int(mcfg.hidden_size))
-    dt = data_tokens(cfg, data_dir)
+    dt = tokens if tokens is not None else data_tokens(cfg, data_dir)
     per_example = dt.per_example
     devices = devices or (1 if not cfg.mesh else math.prod(_mesh_sizes(cfg.mesh).values()))
     sizes = mesh_lib.parse(cfg.mesh, devices)

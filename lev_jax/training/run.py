@@ -185,7 +185,12 @@ def load_checkpoint(run_dir, step: int | None = None):
     from lev_jax.training.checkpoint import Checkpoints
 
     run_dir = Path(run_dir)
-    got = Checkpoints(run_dir, read_only=True).restore_trainable(step) if (run_dir / CHECKPOINTS).is_dir() else None
+    # local: in a multi-host job, the process that calls this reads alone (training.hosts.first)
+    got = (
+        Checkpoints(run_dir, read_only=True, local=True).restore_trainable(step)
+        if (run_dir / CHECKPOINTS).is_dir()
+        else None
+    )
     if got is None:
         raise CheckpointError(f"{run_dir} has no readable checkpoint")
     return got

@@ -9,7 +9,6 @@ bb.head(hidden, token_ids)                # only the head rows a readout needs
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -169,10 +168,16 @@ class Backbone:
             tokens = tokens[None]
         B, P = tokens.shape
         valid_np = np.ones((B, P), bool) if valid is None else np.asarray(valid, bool)
-        n_chunks = max(1, math.ceil(P / chunk))
-        total = n_chunks * chunk if P > chunk else P
-        step = min(chunk, P)
-        slots = max(slots or 0, total)
+        if markers is not None and B != 1:
+            raise ValueError("prefill reads markers of a one-row prefix only")
+        # the calls (buckets.chunks): the first chunk alone, without a cache (nothing to attend to but
+        # itself), then whole chunks, each written into the cache grown to the capacity that holds it,
+        # so chunk k attends to at most twice the slots written so far (not the whole prefix's) and its
+        # program (chunk, capacity) is shared by every prefix length and every long row. Trailing
+        # padding (a prefix right-padded to its bucket) is not run: the cache is grown to it instead.
+        real = np.flatnonzero(valid_np.any(axis=0))
+        calls = buckets.chunks(int(real[-1]) + 1 if real.size else 1, chunk=chunk)
+        total = max(P, calls[-1][0] + calls[-1][1])
         tok_pad = np.zeros((B, total), np.int32)
         val_pad = np.zeros((B, total), bool)
         tok_pad[:, :P], val_pad[:, :P] = tokens, valid_np
@@ -183,21 +188,24 @@ class Backbone:
             pos = np.zeros((3, B, total), np.int32)
             emb[:, :P], msk[:, :P], pos[:, :, :P] = embeds, embeds_mask, positions
             mm = (emb, msk, pos)
-        # the first chunk runs without a cache (nothing to attend to but itself: no scores against
-        # empty slots) and returns exactly its own slots; each later chunk continues in a cache grown
-        # just enough to hold it, so chunk k attends to k chunks of slots, not to the whole prefix's
-        # (attention work ~ P^2 / 2 instead of P^2), and its program (chunk, slots) is shared by
-        # every prefix length
-        if markers is not None and B != 1:
-            raise ValueError("prefill reads markers of a one-row prefix only")
+        # every chunk returns its hidden states (a prefix ending in a Mode B options block reads its
+        # markers' there), so one program per (chunk, capacity) serves marked prefixes, plain ones
+        # and long rows' chunks (`extend_chunk`) alike
+        readout = None
         cache, picked = None, []
-        for start in range(0, total, step):
+        for start, step, cap in calls:
             sl = slice(start, start + step)
             if cache is not None:
-                cache = cache_lib.grow(cache, start + step)
+                cache = cache_lib.grow(cache, cap)
             extra = () if mm is None else _multimodal_args(mm[0][:, sl], mm[1][:, sl], mm[2][:, :, sl])
             hidden, cache = _extend(
-                self.params, jnp.asarray(tok_pad[:, sl]), jnp.asarray(val_pad[:, sl]), None, cache, self.config, *extra
+                self.params,
+                jnp.asarray(tok_pad[:, sl]),
+                jnp.asarray(val_pad[:, sl]),
+                readout,
+                cache,
+                self.config,
+                *extra,
             )
             inside = [m - start for m in markers or () if start <= m < start + step]
             if inside:
@@ -205,7 +213,7 @@ class Backbone:
         if mm is not None:
             next_pos = np.where(val_pad[None], mm[2], -1).max(axis=(0, 2)) + 1
             cache = {**cache, "pos": jnp.asarray(next_pos.astype(np.int32))}
-        cache = cache_lib.grow(cache, slots)
+        cache = cache_lib.grow(cache, max(slots or 0, P))
         if markers is None:
             return cache
         return cache, np.concatenate(picked) if picked else np.zeros((0, self.config.hidden_size), np.float32)
@@ -224,6 +232,13 @@ class Backbone:
         cache = cache_lib.grow(cache, need)
         readout = None if readout_BR is None else jnp.asarray(np.asarray(readout_BR, np.int32))
         return _extend(self.params, jnp.asarray(tokens), jnp.asarray(valid), readout, cache, self.config)
+
+    def extend_chunk(self, cache, tokens_BT, valid_BT, slots: int):
+        """`cache` (1 row) continued by a chunk of tokens written into it grown to `slots` (a
+        `buckets.chunks` call of a long row): the program a prefill's later chunks run."""
+        cache = cache_lib.grow(cache, slots)
+        _, cache = _extend(self.params, jnp.asarray(tokens_BT), jnp.asarray(valid_BT), None, cache, self.config)
+        return cache
 
     def head(self, hidden, token_ids=None):
         ids = None if token_ids is None else jnp.asarray(np.asarray(token_ids, np.int32))

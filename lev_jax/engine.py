@@ -433,11 +433,15 @@ class Engine:
             # of this process's executables: compiled here, loaded from the store (programs.py); row
             # reads a warm-up or background compile ran dry
             "programs": programs.stats(),
+            # the shapes every device call takes (readout.execute): prefixes and long rows in chunks
+            # into caches of these capacities, short rows in slabs (lanes x tokens), tails
             "buckets": {
-                "prefix": buckets.PREFIX,
-                "suffix": buckets.SUFFIX,
-                "rows": buckets.ROWS,
-                "codes": buckets.CODES,
+                "chunk": buckets.PREFILL_CHUNK,
+                "first_chunks": buckets.FIRST_CHUNKS,
+                "capacity": buckets.CAPACITY,
+                "slabs": buckets.slab_shapes(self.platform),
+                "tail": buckets.TAIL,
+                "codes": buckets.READ_CODES,
             },
         }
 

@@ -122,21 +122,22 @@ class Torch:
 
 
 def device_flops(engine, plan) -> float:
-    """FLOPs of the padded device work predict() does for a plan: the prefill bucket, the header
-    segment calls when it shares question headers, and every row call."""
+    """FLOPs of the padded device work predict() does for a plan: the prefix's prefill chunks, then
+    every slab call (its lanes' padded tokens against the prefix's capacity) and every row read alone
+    (its chunks and tail)."""
     cfg = engine.backbone.config
-    rows = plan.rows
-    pb = buckets.fit(len(plan.prefix_ids), buckets.PREFIX[1:], "prefix")
-    total = cfg.flops_per_token(pb / 2) * pb
-    seg = engine.executor.segment_plan(rows)
-    sg = 0
-    if seg is not None:
-        rows = seg.rest
-        sg, seg_calls = engine.executor.segment_calls(seg.headers)
-        total += sum(b * sg * cfg.flops_per_token(pb + sg / 2) for _, b in seg_calls)
-    return total + sum(
-        c.batch * c.length * cfg.flops_per_token(pb + sg + c.length / 2) for c in engine.executor.calls(rows)
-    )
+    n = len(plan.prefix_ids)
+    offset, slots = buckets.prefilled(n)
+    total = sum(size * cfg.flops_per_token(start + size / 2) for start, size, _ in buckets.chunks(n)) if n else 0.0
+    read = engine.executor.read_plan([plan.rows], [slots])
+    for call in read.calls:
+        L, T = call.shape
+        total += L * T * cfg.flops_per_token(slots + T / 2)
+    for _, i in read.single:
+        for key in engine.executor.long_row_calls(offset, slots, plan.rows[i]):
+            size = key[2]
+            total += size * cfg.flops_per_token(key[1] + size / 2)
+    return total
 
 
 def main(argv=None):

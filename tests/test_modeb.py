@@ -208,8 +208,9 @@ def test_schema_first_mode_b_options_are_computed_once_and_cached_across_request
     eng.executor.read([(plan.prefix_ids, plan.rows)], [usage])
     assert usage.cached == len(plan.prefix_ids) + row.stateless
     assert usage.processed - usage.cached == len(plan.rows[0].tokens) - row.stateless
-    # its rows are read by the keyed program; another short state of the same buckets compiles nothing
-    assert any(k[-1] == "keyed" for k in eng.executor.programs(plan.prefix_ids, plan.rows))
+    # its rows are read alone by the Mode B tail program (scoring the lead's keys); another short state
+    # of the same buckets compiles nothing
+    assert any(k[0] == "tail" for k in eng.executor.programs(plan.prefix_ids, plan.rows))
     before = eng.compiled_programs
     eng.predict("Where is my money?", {"big": _choice(151)})
     assert eng.compiled_programs == before
@@ -277,4 +278,4 @@ def test_a_mode_b_batch_shape_is_recorded_and_rebuilt_with_the_same_programs(eng
     assert [r.markers for r in rebuilt[0][1]] == [r.markers for r in plan.rows]
     keys = engine_b.executor.batch_programs(entries)
     assert keys == engine_b.executor.batch_programs(rebuilt)
-    assert any(k[0] == "chunk-marked" for k in keys) and any(k[-1] == "modeb" for k in keys)
+    assert any(k[0] == "chunk-marked" for k in keys) and any(k[0] == "tail" for k in keys)

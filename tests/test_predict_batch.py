@@ -1,7 +1,8 @@
-"""A micro-batch of several requests (stacked prefixes, `Executor.read` with several entries): question
-headers as cache segments and the anchored softmax, as for one request; every request's answers equal
-the same request alone and independent full forwards; `batch_programs` names exactly the programs a
-micro-batch compiles."""
+"""A micro-batch of several requests (`Executor.read` with several entries): their short rows share
+slab calls (readout.slab: lanes of several prefixes, stacked, each lane reading its own; question
+headers shared within a lane) with the anchored softmax, as for one request; every request's answers
+equal the same request alone and independent full forwards; `batch_programs` names exactly the
+programs a micro-batch compiles."""
 
 import dataclasses
 
@@ -65,43 +66,30 @@ def _check_well_formed(answers: dict) -> None:
         assert np.isfinite(p).all() and (p > 0).all() and (p < 1).all()
 
 
-def _spy_segments(engine, monkeypatch) -> list:
-    """The `prefix_of_header` of every `compute_segments` call (None: one request's own prefix)."""
-    seen, compute = [], engine.executor.compute_segments
+def _spy_slabs(monkeypatch) -> list:
+    """(stacked, lanes, anchored) of every slab call."""
+    seen, fn = [], logits_lib.read_slab
 
-    def spy(cache, headers, prefix_of_header=None):
-        seen.append(prefix_of_header)
-        return compute(cache, headers, prefix_of_header)
+    def spy(*args, anchored=True, **kwargs):
+        seen.append((args[2] is not None, args[3].shape[0], anchored))
+        return fn(*args, anchored=anchored, **kwargs)
 
-    monkeypatch.setattr(engine.executor, "compute_segments", spy)
-    return seen
-
-
-def _spy_anchored(monkeypatch) -> list:
-    """(program, anchored) of every segment and segment-row call."""
-    seen = []
-    for name in ("compute_segments", "read_segment_rows"):
-        fn = getattr(logits_lib, name)
-
-        def spy(*args, _fn=fn, _name=name, anchored=True, **kwargs):
-            seen.append((_name, anchored))
-            return _fn(*args, anchored=anchored, **kwargs)
-
-        monkeypatch.setattr(logits_lib, name, spy)
+    spy.count = fn.count  # engine.compiled_programs still counts the real program
+    monkeypatch.setattr(logits_lib, "read_slab", spy)
     return seen
 
 
 @pytest.mark.parametrize("family,tol", [("llama", 1e-5), ("qwen3_5", 5e-5)])
-def test_a_micro_batch_with_header_segments_equals_each_request_alone(family, tol, monkeypatch):
-    """Headers of all requests computed as segments, each after its own prefix of the stacked cache,
-    in one call; the rows read them with the anchored softmax. (Tiny Qwen3.5 at 5e-5, as in
-    test_predict.py: its fp32 rounding moves with where a sequence is split into cached pieces.)"""
+def test_a_micro_batch_in_stacked_slabs_equals_each_request_alone(family, tol, monkeypatch):
+    """The rows of all requests in stacked slab calls (each lane reading its own request's prefix),
+    with the anchored softmax. (Tiny Qwen3.5 at 5e-5, as in test_predict.py: its fp32 rounding
+    moves with where a sequence is split into cached pieces.)"""
     bb = tiny_backbone(family, seed=1)
     engine = lev_jax.Engine(bb, prefix_cache_bytes=0)
-    segments, anchored = _spy_segments(engine, monkeypatch), _spy_anchored(monkeypatch)
+    slabs = _spy_slabs(monkeypatch)
     batch = engine.predict_many(REQUESTS)
-    assert len(segments) == 1 and sorted(set(segments[0])) == [0, 1, 2]  # every request's headers, one pass
-    assert anchored and all(a for _, a in anchored) and engine.exact_reruns == 0
+    assert any(stacked for stacked, _, _ in slabs)  # lanes of several requests in one call
+    assert all(a for _, _, a in slabs) and engine.exact_reruns == 0
     monkeypatch.undo()
     for (state, questions), answers in zip(REQUESTS, batch):
         _check_well_formed(answers)
@@ -109,28 +97,30 @@ def test_a_micro_batch_with_header_segments_equals_each_request_alone(family, to
         _assert_close(answers, engine.predict(state, questions, reference=True), tol=tol)
 
 
-def test_segments_in_a_micro_batch_only_where_they_pay():
+def test_small_requests_of_a_micro_batch_share_one_slab_call():
+    """Two requests of a few short questions each: one call, lanes of both prefixes (stacked), where
+    each alone is one shared-prefix call of its own."""
     engine = lev_jax.Engine(tiny_backbone("llama", seed=1))
     plans = [engine.plan(s, _questions()) for s in ("first state", "second state")]
     keys = engine.executor.batch_programs([(p.prefix_ids, p.rows) for p in plans])
-    assert keys and not any("segment" in k[0] for k in keys)
-    plans = [engine.plan(s, _many_questions(2)) for s in ("first state", "second state")]
-    keys = engine.executor.batch_programs([(p.prefix_ids, p.rows) for p in plans])
-    assert any(k[0] == "stacked-segment" for k in keys)
+    slabs = [k for k in keys if k[0] == "slab"]
+    assert len(slabs) == 1 and slabs[0][-1] == "stacked"
+    alone = [k for k in engine.executor.programs(plans[0].prefix_ids, plans[0].rows) if k[0] == "slab"]
+    assert len(alone) == 1 and alone[0][-1] == "shared"
 
 
 def test_stacked_rows_the_anchored_softmax_cannot_serve_are_rerun_exactly(monkeypatch):
     """Attention logits in the thousands (q and k projections scaled up, as in test_predict.py): the
-    anchored softmax overflows on some stacked segment and row calls; those are rerun exact and the
-    answers still equal independent full forwards."""
+    anchored softmax overflows on some stacked slab calls; those are rerun exact and the answers
+    still equal independent full forwards."""
     bb = tiny_backbone("llama", seed=1)
     scale = lambda path, x: x * 12.0 if any(getattr(p, "key", None) in ("q_proj", "k_proj") for p in path) else x
     bb.params = jax.tree_util.tree_map_with_path(scale, bb.params)
     engine = lev_jax.Engine(bb)
-    segments, anchored = _spy_segments(engine, monkeypatch), _spy_anchored(monkeypatch)
+    slabs = _spy_slabs(monkeypatch)
     batch = engine.predict_many(REQUESTS)
-    assert segments and all(s is not None for s in segments)
-    reruns = [name for name, a in anchored if not a]
+    assert any(stacked for stacked, _, _ in slabs)
+    reruns = [a for _, _, a in slabs if not a]
     assert engine.exact_reruns == len(reruns) > 0
     monkeypatch.undo()
     for (state, questions), answers in zip(REQUESTS, batch):
@@ -156,7 +146,8 @@ def test_batch_programs_are_exactly_the_programs_a_micro_batch_compiles():
     plans = [engine.plan(*r) for r in requests]
     assert any(len(r.tokens) > 512 for r in plans[-1].rows)  # a long row too (read chunk by chunk)
     keys = engine.executor.batch_programs([(p.prefix_ids, p.rows) for p in plans])
-    assert {k[0] for k in keys} >= {"prefill", "stacked-segment", "stacked", "chunk", "tail"}
+    assert {k[0] for k in keys} >= {"prefill", "slab", "chunk", "tail"}
+    assert any(k[0] == "slab" and k[-1] == "stacked" for k in keys)
     before = engine.compiled_programs
     engine.predict_many(requests)
     assert engine.compiled_programs - before == len(keys)
@@ -169,7 +160,7 @@ def test_batch_programs_are_exactly_the_programs_a_micro_batch_compiles():
     # one request alone: `programs`, exactly (its prefill was compiled with the micro-batch)
     state, questions = REQUESTS[0]
     single = engine.programs(state, questions)
-    assert any(k[0] == "segment" for k in single)
+    assert any(k[0] == "slab" for k in single)
     before = engine.compiled_programs
     engine.predict(state, questions)
     assert engine.compiled_programs - before == len(single) - 1
@@ -213,22 +204,15 @@ def test_schema_first_requests_asking_the_same_questions_share_calls(monkeypatch
     plans = [engine.plan(*r) for r in requests]
     assert all(r.stateless for p in plans for r in p.rows)
     keys = engine.executor.batch_programs([(p.prefix_ids, p.rows) for p in plans])
-    calls = []
-    read_rows = logits_lib.read_rows
-
-    def spy(*args, **kwargs):
-        calls.append(args[5].shape[0])  # rows in the call (label ids [B, C])
-        return read_rows(*args, **kwargs)
-
-    spy.count = read_rows.count  # engine.compiled_programs still counts the real program
-    monkeypatch.setattr(logits_lib, "read_rows", spy)
+    slabs = _spy_slabs(monkeypatch)
     before = engine.compiled_programs
     batch = engine.predict_many(requests, with_usage=True)
     assert engine.compiled_programs - before == len(keys)
-    # one call per lead (a question, or one presentation order of a choice), each reading that lead's
-    # row of all three requests (one call per lead per request when each was read alone)
+    # each lead (a question, or one presentation order of a choice) is a prefix computed once, and
+    # the rows of all three requests after every lead are read together: stacked lanes, one call
     leads = {tuple(plans[0].prefix_ids) + tuple(r.tokens[: r.stateless]) for r in plans[0].rows}
-    assert len(leads) >= 3 and len(calls) == len(leads) and all(n >= 3 for n in calls)
+    max_lanes = max(n for n, _ in lev_jax.buckets.slab_shapes(engine.platform))
+    assert len(leads) >= 3 and len(slabs) == -(-len(leads) // max_lanes) and all(st for st, _, _ in slabs)
     monkeypatch.undo()
     leads = [len(lead) for lead in leads]
     usages = [u for _, u in batch]

@@ -76,21 +76,37 @@ def test_a_long_row_does_not_depend_on_the_prefix_bucket_padding(engine):
 
 def test_long_row_calls_are_bounded_and_shared_across_prefixes():
     row = plan.Row(list(range(3 * buckets.PREFILL_CHUNK + 10)), [1, 2])
-    calls = execute.Executor.long_row_calls(96, 96, row)
+    offset, slots = buckets.prefilled(96)  # a 96-token prefix: one first chunk
+    calls = execute.Executor.long_row_calls(offset, slots, row)
     assert [c[0] for c in calls] == ["chunk", "chunk", "chunk", "tail"]
-    # each chunk's cache is grown just past it, to a multiple of LONG_ROW_SLOTS: prefixes of lengths
-    # within one multiple share programs, and a chunk scores fewer than LONG_ROW_SLOTS empty slots
-    step = buckets.LONG_ROW_SLOTS
+    # each chunk's cache is grown to the capacity that holds it: the programs of a prefill's later
+    # chunks, one per capacity, whatever the prefix's or the row's length
     chunk_slots = [size for kind, size, *_ in calls if kind == "chunk"]
-    assert chunk_slots == [-(-(96 + k * buckets.PREFILL_CHUNK) // step) * step for k in (1, 2, 3)]
-    assert all(size % step == 0 for size in chunk_slots)
-    # the tail's program: its length bucket and its label-codes bucket
-    assert calls[-1][2:] == (buckets.fit(10, buckets.TAIL, "tail"), buckets.fit(2, buckets.CODES, "codes"))
-    assert execute.Executor.long_row_calls(step - 8, step - 8, row) == calls
-    assert execute.Executor.long_row_calls(step + 8, step + 8, row)[0][1] == chunk_slots[0] + step
-    # wherever a row's text ends, its tail is one of a few programs (the warm-up compiles them all)
-    tails = {execute.Executor.long_row_calls(96, 96, plan.Row(list(range(n)), [1, 2]))[-1] for n in range(513, 1025)}
-    assert len(tails) <= len(buckets.TAIL) <= 10
+    assert chunk_slots == [buckets.fit(offset + k * buckets.PREFILL_CHUNK, buckets.CAPACITY, "x") for k in (1, 2, 3)]
+    assert set(chunk_slots) <= set(buckets.CAPACITY)
+    # the tail's program: the last capacity, its length bucket and its label-codes bucket
+    assert calls[-1][1:] == (chunk_slots[-1], buckets.fit(10, buckets.TAIL, "tail"), buckets.READ_CODES[0])
+    # every prefix that ends in the same chunk shares them
+    assert execute.Executor.long_row_calls(*buckets.prefilled(200), row) == calls
+    assert {c[:3] for c in calls[:-1]} <= {("chunk", cap, buckets.PREFILL_CHUNK) for cap in buckets.CAPACITY}
+    # wherever rows' text ends, and whatever prefix they follow, the chunks and tails are a few
+    # programs per capacity (the warm-up compiles them)
+    keys = set()
+    for p in (10, 64, 65, 300, 700):
+        for n in range(buckets.PREFILL_CHUNK + 1, 3 * buckets.PREFILL_CHUNK, 7):
+            keys |= set(execute.Executor.long_row_calls(*buckets.prefilled(p), plan.Row(list(range(n)), [1, 2])))
+    caps = {k[1] for k in keys}
+    assert len(caps) <= 4 and len(keys) <= len(caps) * (1 + len(buckets.TAIL))
+
+
+def test_a_prefix_runs_in_a_few_programs_whatever_its_length():
+    """A prefix is computed in `buckets.chunks` calls (its first chunk at one of two sizes, then
+    chunks into capacity-sized caches): every prefix up to 4,096 tokens needs a handful of programs
+    in all, not one per length bucket."""
+    keys = set().union(*(execute.prefill_programs(list(range(n))) for n in range(1, 4097, 3)))
+    assert keys == {("prefill", 0, s) for s in buckets.FIRST_CHUNKS} | {
+        ("chunk", cap, buckets.PREFILL_CHUNK) for cap in buckets.CAPACITY if buckets.PREFILL_CHUNK < cap <= 4096
+    }
 
 
 def test_a_listing_past_the_averaging_limit_is_read_in_one_order(engine, monkeypatch):
@@ -110,7 +126,8 @@ def test_chunked_prefill_equals_one_forward():
     bb = tiny_backbone("qwen3_5")
     ids = list(np.random.RandomState(0).randint(10, 5000, 1100))
     cache = bb.prefill(ids, chunk=256)
-    assert int(cache["offset"]) == 5 * 256 and cache["valid"].shape[1] == 5 * 256
+    # chunks of 256 tokens (the last padded) into a cache grown to the capacity that holds them
+    assert int(cache["offset"]) == 5 * 256 and cache["valid"].shape[1] == buckets.fit(1100, buckets.CAPACITY, "x")
     hidden, _ = bb.extend(cache, [[7, 8]], readout_BR=[[1]])
     got = np.asarray(bb.head(hidden[:, 0]))[0]
     want = np.asarray(bb.logits([ids + [7, 8]]))[0, -1]

@@ -66,7 +66,7 @@ def test_a_program_is_stored_and_loaded_back_without_compiling():
     compiled = programs.stats()["compiled"] - before["compiled"]
     assert compiled >= 2 and programs.stats()["loaded"] == before["loaded"]
     stored = {p.name for p in programs.store_dir().iterdir()}
-    assert any(n.startswith("extend-") for n in stored) and any(n.startswith("read_rows-") for n in stored)
+    assert any(n.startswith("extend-") for n in stored) and any(n.startswith("read_slab-") for n in stored)
 
     programs.free_compiled()  # what a new process holds: nothing in memory, the store on disk
     mid = programs.stats()
@@ -76,7 +76,7 @@ def test_a_program_is_stored_and_loaded_back_without_compiling():
     assert after["loaded"] - mid["loaded"] == compiled
     # each build is logged with its time (/health shows them): the first request's compiles, then loads
     names = {b["program"] for b in after["builds"][-compiled:]}
-    assert {b["how"] for b in after["builds"][-compiled:]} == {"loaded"} and {"extend", "read_rows"} <= names
+    assert {b["how"] for b in after["builds"][-compiled:]} == {"loaded"} and {"extend", "read_slab"} <= names
     assert [b["how"] for b in mid["builds"][-compiled:]] == ["compiled"] * compiled
     assert after["build_seconds"] > mid["build_seconds"] > 0
     np.testing.assert_allclose(_probs(again), _probs(first), atol=1e-6)
@@ -153,7 +153,12 @@ def test_dry_runs_are_per_thread_and_programs_work_inside_a_trace():
     assert np.asarray(jax.jit(lambda v: _scaled(v, 3.0))(x)).tolist() == [0.0, 3.0, 6.0]
     assert np.asarray(_scaled(x, 3.0)).tolist() == [0.0, 3.0, 6.0]
     assert _scaled.count() == 1  # the plain call's executable; the traced ones ran as jit
-    assert logits_lib.read_rows.dry and logits_lib.extend_cache.dry and not cascade.prefill.dry
+    assert (
+        logits_lib.read_slab.dry
+        and logits_lib.read_rows.dry
+        and logits_lib.extend_cache_marked.dry
+        and not cascade.prefill.dry
+    )
 
 
 @programs.program(("factor",))

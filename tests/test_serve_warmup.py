@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 import lev_jax
-from lev_jax import programs, runtime
+from lev_jax import buckets, programs, runtime
 from lev_jax.readout import shapes
 from lev_jax.server import ServerConfig, create_app
 from lev_jax.server.scheduler import Scheduler
@@ -172,6 +172,7 @@ def test_the_engine_knows_what_compiles(engine):
 def test_warmup_reports_warming_then_ready_and_warms_what_it_ran(engine):
     q = {"c": {"type": "choice", "instructions": "Which team?", "criteria": {"A": None, "B": None, "C": None}}}
     batches = [[("Warm this state, please.", q)], [("One", q), ("Two", q)]]
+    engine = lev_jax.Engine(engine.backbone)  # one that has run nothing yet (the fixed programs are few)
     assert not engine.ready(batches[0]) or not engine.ready(batches[1])
     cfg = ServerConfig(warmup_budget_s=60)
     app = create_app(engine, cfg)
@@ -187,6 +188,8 @@ def test_warmup_reports_warming_then_ready_and_warms_what_it_ran(engine):
         assert h["status"] == "ready" and "warmup" in h
         assert h["warmup"]["batches_done"] == 2 and h["warmup"]["batches_planned"] == 2
         assert h["warmup"]["failed"] == 0 and not h["warmup"]["stopped_early"]
+        # the grid's distinct programs, every one of them run by the time it is ready
+        assert h["warmup"]["programs_planned"] == h["warmup"]["programs_ready"] > 0
         assert h["dtype"] == "float32" and "compile_lane" in h
     assert all(engine.ready(b) for b in batches)
 
@@ -220,11 +223,11 @@ def test_the_grid_shapes_cover_questions_about_a_document_of_any_length():
     for sig in sigs:
         eng.warm(sig)
     questions = {"t": TEAMS, "u": URGENT, "l": LEVEL}
-    for n in (530, 611, 777, 903, 1000):
+    for n in (530, 611, 777, 903, 1000, 1400):
         state = warmup.state_of(eng, n)
-        assert all(len(r.tokens) > 512 for r in eng.plan(state, questions).rows)
+        assert all(len(r.tokens) > 2 * buckets.PREFILL_CHUNK for r in eng.plan(state, questions).rows)
         assert eng.ready([(state, questions)]), n
-    assert not eng.ready([(warmup.state_of(eng, 1400), questions)])  # past two chunks: a larger cache
+    assert not eng.ready([(warmup.state_of(eng, 2200), questions)])  # a larger cache than the shapes reached
 
 
 TEAMS = {"type": "choice", "instructions": "Which team?", "criteria": {"Billing": "money", "Tech": None, "Sales": None}}

@@ -117,14 +117,13 @@ def payloads(n_distinct: int) -> list[dict]:
     return out
 
 
-# The after-ready phase's two halves of fresh shapes, as templates of a ticket: the 8 tickets as they are
-# (half A) and each written twice around a short phrase (half B). With the schema first, the shipped
-# default's layout, each ticket is a row after each question's cached lead, so what the halves must
-# differ in is the rows' length buckets: with the SmolLM2 tokenizer A's rows (38-54 tokens) fall in 3
-# `buckets.SUFFIX` sizes (40, 48, 56) and B's (59-91) in 3 (64, 80, 96) -- disjoint, and 9
-# single-request programs each (3 questions). Doubling the text doubles the spread of lengths as the
-# buckets' step doubles an octave up; a sentence appended instead (2026-12-06) moved every ticket by
-# the same few tokens, and its half needed 9 programs against A's 15, charging c8 the difference.
+# The after-ready phase's two halves of fresh states, as templates of a ticket: the 8 tickets as they are
+# (half A) and each written twice around a short phrase (half B), so the halves differ in row length.
+# Since the fixed program set (readout.execute: chunks, slabs and tails per cache capacity) the shipped
+# default runs both halves, alone and eight at a time, with programs its warm-up grid already ran
+# (tests/test_default_release.py checks it): the crossover then measures concurrency alone; before it,
+# each half's row-length buckets were single-request programs of their own (9 each) that whichever loop
+# met them first paid for.
 HALVES = {"A": "{t}", "B": "{t} Again, in case it was missed: {t}"}
 
 

@@ -93,13 +93,14 @@ def forward(
     hidden_BTE=None,
     layer_range: tuple[int, int] | None = None,
     final_norm: bool = True,
+    mask_BTT=None,
 ):
     """(hidden, new_cache): the final-normed hidden state at `readout_BR` (or every new token), and the
     cache as `cache_write` asks (CausalLM.__call__). `remat`: a REMAT_POLICIES name, how each
     layer is rematerialised when this is differentiated. `embeds_BTE` / `embeds_mask_BT`: input
     embeddings (image features) replacing the token embeddings where the mask is set.
     `layer_range` / `hidden_BTE` / `final_norm`: run a slice of the layers (elastic depth,
-    CausalLM.__call__)."""
+    CausalLM.__call__). `mask_BTT`: packed rows' attention among the new tokens (CausalLM.__call__)."""
     return bind(params, cfg)(
         params[stack.BLOCKS],
         tokens_BT,
@@ -115,6 +116,7 @@ def forward(
         hidden_BTE=hidden_BTE,
         layer_range=layer_range,
         final_norm=final_norm,
+        mask_BTT=mask_BTT,
     )
 
 

@@ -97,6 +97,7 @@ class CausalLM(nnx.Module):
         hidden_BTE=None,
         layer_range: tuple[int, int] | None = None,
         final_norm: bool = True,
+        mask_BTT=None,
     ):
         """Run T new tokens after `cache` (None: no context) through the layer stacks `blocks`
         (models.stack: params["blocks"]). Returns (hidden, new_cache) where hidden
@@ -121,8 +122,13 @@ class CausalLM(nnx.Module):
         (`elastic.cascade.deepen` stacks it on the shallower one). An APPEND or SEGMENT cache comes
         back with layers [0, stop). `final_norm=False` returns the raw
         residual stream (what a deeper call continues, and what an exit adapter reads).
+        `mask_BTT`: which new tokens each new token attends (rows packed into one lane, each with
+        its own `positions_BT`; readout.slab); attention-only models, since a recurrent layer's
+        state runs through every token of a lane.
         The config's `scan_unroll` sets how many scan steps one loop iteration runs; its
         `scan_frozen` which scan inputs no gradient flows into (models.scan)."""
+        if mask_BTT is not None and any(kind != "full_attention" for kind in self.cfg.layer_types):
+            raise ValueError("packed rows (mask_BTT) need an attention-only model: a recurrent layer reads every token")
         if not isinstance(cache_write, CacheWrite):
             raise ValueError(
                 f"cache_write must be a CacheWrite ({', '.join(m.name for m in CacheWrite)}), not {cache_write!r}"
@@ -150,6 +156,7 @@ class CausalLM(nnx.Module):
             cache_valid=None if cache is None else cache["valid"],
             offset=None if cache is None else cache["offset"],
             seg_valid=None if cache is None else cache.get("seg_valid"),
+            mask=mask_BTT,
             cache_write=cache_write,
             anchored_softmax=anchored_softmax,
         )

@@ -39,6 +39,9 @@ class Context:
     cache_valid   bool[Bc, S]    real cached slots; None without a cache
     offset        int32[]        the cache slot the new tokens are written at; None without a cache
     seg_valid     bool[B, Sg]    real segment slots; None unless the cache carries a segment
+    mask          bool[B, T, T]  which new tokens each new token sees (several rows packed into one
+                                 lane: each sees its own row's earlier tokens and its header's);
+                                 None: every earlier valid token (causal)
     cache_write   CacheWrite     (static) what the call writes into the cache
     anchored_softmax  bool       (static) attention against a shared cache uses the anchored
                                  stabiliser (layers.attend); rows it cannot serve come out NaN
@@ -50,5 +53,6 @@ class Context:
     cache_valid: jax.Array | None
     offset: jax.Array | None
     seg_valid: jax.Array | None
+    mask: jax.Array | None
     cache_write: CacheWrite = _static()
     anchored_softmax: bool = _static()

@@ -308,6 +308,7 @@ def attend(
     anchored: bool = False,
     segment=None,
     cache_rows_B=None,
+    mask_BTT=None,
 ):
     """Causal GQA attention of T new queries over (cached slots, then the T new keys).
 
@@ -322,6 +323,8 @@ def attend(
     over the few KV heads). Products take `dtype` inputs (the weights' dtype) and accumulate fp32;
     softmax statistics are fp32 and the normalisation comes after the value product, so the cache
     block and the new-token block are never concatenated.
+    `mask_BTT` (bool [B, T, T]): which new tokens each new token sees, in place of causal-and-valid
+    (several rows packed into one lane, readout.slab).
     `segment` (k [B, K, D, Sg], v [B, K, Sg, D], valid [B, Sg]): a second cache level between a shared
     cache and the new tokens, one per row (the question header both option orders continue), read as
     a third block.
@@ -343,7 +346,10 @@ def attend(
     q_BKRD = (q_BTHD * scale).reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4).reshape(B, K, R, D).astype(dt)  # r=(g,t)
     k_BKDT = k_BTKD.transpose(0, 2, 3, 1).astype(dt)
     v_BKTD = v_BTKD.transpose(0, 2, 1, 3).astype(dt)
-    mask_new_BRT = jnp.tile(jnp.tril(jnp.ones((T, T), bool)), (G, 1))[None] & valid_BT[:, None, :]
+    if mask_BTT is None:
+        mask_new_BRT = jnp.tile(jnp.tril(jnp.ones((T, T), bool)), (G, 1))[None] & valid_BT[:, None, :]
+    else:  # query rows r = (g, t): each head of a group sees what its token sees
+        mask_new_BRT = jnp.tile(mask_BTT, (1, G, 1))
     has_cache = cache_k_BKDS is not None
     indexed = has_cache and cache_rows_B is not None
     shared = has_cache and not indexed and cache_k_BKDS.shape[0] == 1 and B > 1
@@ -503,6 +509,7 @@ class Attention(nnx.Module):
             anchored=ctx.anchored_softmax,
             segment=segment,
             cache_rows_B=rows,
+            mask_BTT=ctx.mask,
         ).reshape(B, T, H * D)
         if gate_BTX is not None:
             out = out * jax.nn.sigmoid(gate_BTX)

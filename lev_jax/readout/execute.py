@@ -1,13 +1,15 @@
-"""Execution (serving only): rows of planned requests -> label logits, in as few bucketed device
-calls as fit.
+"""Execution (serving only): rows of planned requests -> label logits, in a few fixed-shape device
+programs.
 
-Each request's state prefix is computed once (or taken from a cross-request LRU); with the schema
-first, the question before the state joins the prefix in that LRU (`Row.stateless`), so a stream of
-states asked one question computes the question once; when it pays, the question headers its rows
-share become a per-question cache segment; rows are grouped shortest
-first into calls padded to shape buckets; several requests' prefixes are stacked so their rows
-share calls (each row, and each header segment, reads its own request's prefix in place); a call
-the anchored softmax cannot serve is rerun with the exact one.
+Each request's state prefix is computed once (or taken from a cross-request LRU), in fixed chunks into
+a cache of one of a few capacities (`buckets.chunks`); with the schema first, the question before the
+state joins the prefix in that LRU (`Row.stateless`), so a stream of states asked one question
+computes the question once. Short Mode A rows are packed into slabs (readout.slab: lanes of a fixed
+length, several rows to a lane, a question header once per lane with both option orders continuing
+it; the lanes of one call may continue several requests' prefixes, stacked and read in place);
+every other row -- longer than a chunk, Mode B, or with many label codes -- is read alone, its
+leading chunks written into its own copy of the cache by the prefill's programs, then its tail. A
+call the anchored softmax cannot serve is rerun with the exact one.
 
 A reader is `reader(entries, usages) -> per entry, one logits array per row` with entries
 `[(prefix_ids, rows)]`: `Executor.read` is the fast one, `Executor.read_reference` runs one
@@ -29,14 +31,8 @@ from lev_jax import buckets
 from lev_jax.models import cache as cache_lib
 from lev_jax.readout import logits as logits_lib
 from lev_jax.readout import modeb
+from lev_jax.readout import slab as slab_lib
 from lev_jax.readout.plan import MarkedPrefix, Row, prefix_key
-
-# Question headers shared by a readout's rows become a cache segment when that saves at least this
-# many row tokens (and a tenth of them): below it the extra device call costs more than it saves.
-MIN_SEGMENT_SAVING = 64
-# the row counts a segment cache is padded to (its rows are read by index: padding costs memory only),
-# so the programs reading it come in a few shapes
-SEGMENT_ROWS = buckets.geometric(1, 1 << 20, 2)
 
 
 @dataclasses.dataclass
@@ -78,11 +74,12 @@ class Call:
 
 
 @dataclasses.dataclass(frozen=True)
-class SegmentPlan:
-    headers: list[list[int]]  # distinct question headers (per prefix: the same text after two prefixes is two)
-    header_of_row: list[int]
-    rest: list[Row]  # the rows without their headers
-    prefix_of_header: list[int]  # the stacked prefix each header continues (all 0 for one prefix)
+class ReadPlan:
+    rows: list[Row]  # the slab rows, in `flat` order
+    flat: list[tuple[int, int]]  # slab row -> (group, row in its group)
+    single: list[tuple[int, int]]  # the (group, row) pairs read one by one
+    packed: list  # readout.slab.Lane
+    calls: list  # readout.slab.Call
 
 
 class Executor:
@@ -97,7 +94,9 @@ class Executor:
         # (cache, bytes, Mode B keys of a MarkedPrefix's markers or None) by prefix_key
         self.prefixes: collections.OrderedDict[tuple, tuple[object, int, np.ndarray | None]] = collections.OrderedDict()
         self.lock = threading.Lock()
-        self.exact_reruns = 0  # device calls (rows or headers) the anchored softmax could not serve
+        self.exact_reruns = 0  # device calls the anchored softmax could not serve
+        # rows packed several to a lane (readout.slab) only where every layer is attention
+        self.packable = all(kind == "full_attention" for kind in backbone.config.layer_types)
 
     # -- planning device calls ---------------------------------------------------------------------
     def calls(self, rows: list[Row]) -> list[Call]:
@@ -142,41 +141,6 @@ class Executor:
         ]
 
     @staticmethod
-    def segment_plan(rows: list[Row], prefix_of_row: list[int] | None = None) -> SegmentPlan | None:
-        """The question headers as cache segments both option orders continue, when computing each
-        distinct header once saves enough row tokens to pay for its extra device call; else None.
-        With `prefix_of_row` (rows of several stacked prefixes) a header is distinct per prefix."""
-        headers, index, header_of_row, rest, prefix_of_header = [], {}, [], [], []
-        for i, r in enumerate(rows):
-            prefix = 0 if prefix_of_row is None else prefix_of_row[i]
-            key = (prefix, tuple(r.tokens[: r.header]))
-            if key not in index:
-                index[key] = len(headers)
-                headers.append(list(key[1]))
-                prefix_of_header.append(prefix)
-            header_of_row.append(index[key])
-            rest.append(r.after(r.header))
-        total = sum(len(r.tokens) for r in rows)
-        saved = total - sum(map(len, headers)) - sum(len(r.tokens) for r in rest)
-        if saved < max(MIN_SEGMENT_SAVING, total // 10):
-            return None
-        return SegmentPlan(headers, header_of_row, rest, prefix_of_header)
-
-    def segment_calls(self, headers: list[list[int]]) -> tuple[int, list[tuple[list[int], int]]]:
-        """(segment length bucket, calls of (header indices, rows bucket)): every header padded to one
-        length, so all segments stack into one cache; calls sized like row calls."""
-        sg = buckets.fit(max(1, max(map(len, headers))), buckets.SUFFIX, "question header length")
-        cap = buckets.row_tokens_per_call(self.platform)
-        n_calls = 1
-        while True:
-            size = math.ceil(len(headers) / n_calls)
-            if size == 1 or buckets.fit(size, buckets.ROWS, "rows") * sg <= cap:
-                break
-            n_calls += 1
-        calls = [list(range(j, min(j + size, len(headers)))) for j in range(0, len(headers), size)]
-        return sg, [(c, buckets.fit(len(c), buckets.ROWS, "rows")) for c in calls]
-
-    @staticmethod
     def stateless_groups(prefix_ids: list[int], rows: list[Row]) -> list[tuple[list[int], list[int], list[Row]]]:
         """Rows by their state-independent lead: (prefix_ids + that lead, row indices, the rows
         without it), in first-seen order. A Mode B row's lead holds its options block: its prefix is
@@ -205,62 +169,56 @@ class Executor:
                 rows_of.extend(rest)
         return list(groups.values())
 
-    def programs(self, prefix_ids: list[int], rows: list[Row]) -> set[tuple]:
-        """The device programs (shape-bucket keys) reading `rows` after `prefix_ids` needs; a request
-        whose keys were all seen before compiles nothing."""
-        if any(r.stateless for r in rows):
-            return set().union(*(self.programs(key, rest) for key, _, rest in self.stateless_groups(prefix_ids, rows)))
-        p = len(prefix_ids)
-        pb = buckets.fit(p, buckets.PREFIX[1:], "prefix length") if p else 0
-        keys = {(prefill_program(prefix_ids), pb)} if pb else set()
-        keys |= {("vision", img.grid_thw) for img in getattr(prefix_ids, "images", ())}
-        if any(map(is_long, rows)):
-            for r in filter(is_long, rows):
-                keys |= set(self.long_row_calls(pb, pb, r))
-            rows = [r for r in rows if not is_long(r)]
-            if not rows:
-                return keys
-        return keys | self.read_programs(("rows", pb), rows, segments=bool(pb))
+    def groups_of(self, entries) -> tuple[list[tuple[list[int], list[Row]]], list[list[tuple[int, int]]]]:
+        """The (prefix_ids, rows) groups `read` computes a micro-batch of entries as, and where each
+        group's rows come from ((entry, row) pairs): one per entry, or with the schema first one per
+        distinct prefix + state-independent lead (`stateless_batch`)."""
+        if any(r.stateless for _, rows in entries for r in rows):
+            groups = self.stateless_batch(entries)
+            return [(key, rest) for key, _, rest in groups], [where for _, where, _ in groups]
+        return [(p, rows) for p, rows in entries], [
+            [(e, i) for i in range(len(rows))] for e, (_, rows) in enumerate(entries)
+        ]
 
-    def read_programs(self, base: tuple, rows: list[Row], prefix_of_row=None, *, segments=True) -> set[tuple]:
-        """The programs `read_rows` runs for short `rows` after a cache keyed `base`: ("rows", pb) for
-        one prefix of pb slots, ("stacked", n, slots) for n stacked prefixes (`prefix_of_row`: each
-        row's). With header segments (never without a prefix), the segment calls ("segment" or
-        "stacked-segment", ..., rows bucket, header bucket) and the row calls, keyed also by the
-        header bucket and the segment cache's row count (SEGMENT_ROWS)."""
-        seg = self.segment_plan(rows, prefix_of_row) if segments else None
-        if seg is None:
-            return {(*base, *c.key) for c in self.calls(rows)}
-        sg, calls = self.segment_calls(seg.headers)
-        n_seg = buckets.fit(sum(b for _, b in calls), SEGMENT_ROWS, "question headers")
-        name = "segment" if base[0] == "rows" else "stacked-segment"
-        return {(name, *base[1:], b, sg) for _, b in calls} | {(*base, sg, n_seg, *c.key) for c in self.calls(seg.rest)}
+    def read_plan(self, groups_rows: list[list[Row]], slots: list[int]) -> ReadPlan:
+        """How the rows of several groups (each continuing its own prefix cache of `slots` slots, 0 for
+        none) are read: the short Mode A rows packed into slabs (readout.slab), shared across groups
+        where a call's lanes continue several prefixes; every other row (long, Mode B, wide) alone."""
+        flat, single = [], []
+        for g, rows in enumerate(groups_rows):
+            for i, r in enumerate(rows):
+                (flat if slab_lib.eligible(r) else single).append((g, i))
+        rows = [groups_rows[g][i] for g, i in flat]
+        packed = slab_lib.lanes(rows, [g for g, _ in flat], packable=self.packable, width=buckets.PREFILL_CHUNK)
+        calls = slab_lib.calls(
+            packed,
+            buckets.slab_shapes(self.platform),
+            stackable=lambda a, b: bool(slots[a]) == bool(slots[b]),  # no prefix never meets a cache
+        )
+        return ReadPlan(rows, flat, single, packed, calls)
+
+    def programs(self, prefix_ids: list[int], rows: list[Row]) -> set[tuple]:
+        """The device programs (keys) reading `rows` after `prefix_ids` needs; a request whose keys
+        were all seen before compiles nothing."""
+        return self.batch_programs([(prefix_ids, rows)])
 
     def batch_programs(self, entries) -> set[tuple]:
         """The programs `read(entries)` runs for a micro-batch of (prefix_ids, rows) entries: each
-        entry's own where they are read one by one, else the stacked calls (keyed by the number of
-        stacked prefixes and their common slot count; header segments as in `read_programs`) plus
-        each prefix's prefill. A batch whose keys were all seen before compiles nothing (round 2 of
-        a grouped choice aside)."""
-        if any(r.stateless for _, rows in entries for r in rows):
-            return set().union(*(self.programs(key, rest) for key, _, rest in self.stateless_batch(entries)))
-        if len(entries) == 1 or any(not p for p, _ in entries):
-            return set().union(*(self.programs(p, rows) for p, rows in entries))
-        keys = set()
-        per_call = buckets.ROWS[-1]
-        for start in range(0, len(entries), per_call):
-            part = entries[start : start + per_call]
-            pbs = [buckets.fit(len(p), buckets.PREFIX[1:], "prefix length") for p, _ in part]
-            keys |= {(prefill_program(p), pb) for (p, _), pb in zip(part, pbs)}
-            keys |= {("vision", img.grid_thw) for p, _ in part for img in getattr(p, "images", ())}
-            n, slots = buckets.fit(len(part), buckets.ROWS, "requests"), max(pbs)
-            flat = [(k, r) for k, (_, rows) in enumerate(part) for r in rows]
-            for _, r in flat:
-                if is_long(r):
-                    keys |= set(self.long_row_calls(slots, slots, r))
-            short = [(k, r) for k, r in flat if not is_long(r)]
-            if short:
-                keys |= self.read_programs(("stacked", n, slots), [r for _, r in short], [k for k, _ in short])
+        prefix's prefill (`prefill_programs`), the slab calls of the short rows (keyed by their
+        cache's capacity, shape and whether it stacks several prefixes), and each other row's
+        chunks and tail (`long_row_calls`). A batch whose keys were all seen before compiles nothing
+        (round 2 of a grouped choice aside)."""
+        groups, _ = self.groups_of(entries)
+        keys: set[tuple] = set()
+        for p, _ in groups:
+            keys |= prefill_programs(p) if len(p) else set()
+            keys |= {("vision", img.grid_thw) for img in getattr(p, "images", ())}
+        filled = [buckets.prefilled(len(p)) for p, _ in groups]
+        plan = self.read_plan([rows for _, rows in groups], [s for _, s in filled])
+        for call in plan.calls:
+            keys.add(call.key(max(filled[plan.packed[i].prefix][1] for i in call.lanes)))
+        for g, i in plan.single:
+            keys |= set(self.long_row_calls(*filled[g], groups[g][1][i]))
         return keys
 
     # -- readers -----------------------------------------------------------------------------------
@@ -316,30 +274,21 @@ class Executor:
 
     def read(self, entries, usages) -> list[list[np.ndarray]]:
         """Label logits for every row of every (prefix_ids, rows) entry: each prefix computed once
-        (or taken from the cross-request cache), then all rows of all entries in as few batched
-        calls as fit; several entries' prefixes are stacked and each row reads its own."""
+        (or taken from the cross-request cache), then all rows of all entries in as few calls as
+        fit (`read_groups`: short rows of several entries share slab calls, each lane reading its
+        own prefix)."""
         if any(r.stateless for _, rows in entries for r in rows):
             return self.read_stateless(entries, usages)
-        caches = []
+        groups = []
         for (prefix_ids, rows), usage in zip(entries, usages):
-            cache, hit = self.prefix_cache(prefix_ids, None if usage.prefix_seen else usage)
+            cache, keys, hit = self.prefix_entry(prefix_ids, None if usage.prefix_seen else usage)
             if not usage.prefix_seen:
                 usage.prefix_seen = True
                 usage.processed += len(prefix_ids)
                 usage.cached += len(prefix_ids) if hit else 0
             usage.processed += sum(len(r.tokens) for r in rows)
-            caches.append(cache)
-        if len(entries) == 1 or any(c is None for c in caches):
-            return [self.read_rows(c, rows, None) for c, (_, rows) in zip(caches, entries)]
-        out = []
-        per_call = buckets.ROWS[-1]
-        for start in range(0, len(entries), per_call):
-            part = entries[start : start + per_call]
-            stacked = stack_caches(caches[start : start + per_call], buckets.fit(len(part), buckets.ROWS, "requests"))
-            flat = [(k, r) for k, (_, rows) in enumerate(part) for r in rows]
-            it = iter(self.read_rows(stacked, [r for _, r in flat], [k for k, _ in flat]))
-            out.extend([next(it) for _ in rows] for _, rows in part)
-        return out
+            groups.append((cache, keys, rows))
+        return self.read_groups(groups)
 
     def read_stateless(self, entries, usages) -> list[list[np.ndarray]]:
         """Rows whose state-independent lead joins the prefix (schema first): each distinct prefix +
@@ -347,6 +296,7 @@ class Executor:
         every request of the micro-batch that asks it, in the same calls. A request counts the lead
         as cached when an earlier request (or an earlier one in this batch) computed it."""
         out: list = [[None] * len(rows) for _, rows in entries]
+        groups, wheres = [], []
         for key, where, rest in self.stateless_batch(entries):
             cache, keys, hit = self.prefix_entry(key)
             seen: set[int] = set()
@@ -356,9 +306,66 @@ class Executor:
                     usages[e].cached += len(key) if hit or seen else 0
                     seen.add(e)
                 usages[e].processed += len(r.tokens)
-            for (e, i), logits in zip(where, self.read_rows(cache, rest, None, keys=keys)):
-                out[e][i] = logits
+            groups.append((cache, keys, rest))
+            wheres.append(where)
+        for where, logits in zip(wheres, self.read_groups(groups)):
+            for (e, i), x in zip(where, logits):
+                out[e][i] = x
         return out
+
+    def read_groups(self, groups) -> list[list[np.ndarray]]:
+        """Label logits of the rows of (cache, Mode B keys or None, rows) groups, each continuing its
+        own prefix cache (None: no prefix): the short Mode A rows of every group in slab calls
+        (`read_plan`), every other row alone (`read_long_row`)."""
+        out: list = [[None] * len(rows) for _, _, rows in groups]
+        slots = [0 if c is None else int(c["valid"].shape[1]) for c, _, _ in groups]
+        plan = self.read_plan([rows for _, _, rows in groups], slots)
+        for call in plan.calls:
+            logits = self.read_call(plan, call, [c for c, _, _ in groups])
+            for j, lane in enumerate(call.lanes):
+                for k, (r, _) in enumerate(plan.packed[lane].reads):
+                    g, i = plan.flat[r]
+                    out[g][i] = logits[j, k, : len(plan.rows[r].label_ids)]
+        for g, i in plan.single:
+            cache, keys, rows = groups[g]
+            out[g][i] = self.read_long_row(cache, rows[i], keys)
+        return out
+
+    def read_call(self, plan: ReadPlan, call, caches) -> np.ndarray:
+        """[L, R, C] label logits of one slab call: its lanes' rows after their prefixes' caches (one
+        shared, or stacked: each prefix's cache grown to the largest capacity, padded to one per lane)."""
+        bb = self.backbone
+        members = sorted({plan.packed[i].prefix for i in call.lanes})
+        if caches[members[0]] is None or len(members) == 1:
+            cache, stack_row, stacked = caches[members[0]], {members[0]: 0}, False
+        else:
+            cap = max(int(caches[g]["valid"].shape[1]) for g in members)
+            grown = [cache_lib.grow(caches[g], cap) for g in members]
+            cache = cache_lib.concat_rows(grown + grown[:1] * (call.shape[0] - len(grown)))
+            stack_row, stacked = {g: k for k, g in enumerate(members)}, True
+        a = slab_lib.arrays(plan.packed, call, plan.rows, stack_row)
+        packed = self.packable
+        args = (
+            bb.params,
+            cache,
+            jnp.asarray(a.prefix_L) if stacked else None,
+            *map(jnp.asarray, (a.tokens_LT, a.valid_LT, a.positions_LT)),
+            jnp.asarray(a.segments_LT) if packed else None,
+            jnp.asarray(a.parents_LT) if packed else None,
+            jnp.asarray(a.answer_LR),
+            jnp.asarray(a.label_ids_LRC),
+            bb.config,
+        )
+        logits = np.asarray(logits_lib.read_slab(*args))
+        read = np.zeros(logits.shape[:2], bool)
+        for j, lane in enumerate(call.lanes):
+            read[j, : len(plan.packed[lane].reads)] = True
+        if not np.isfinite(logits[read]).all():
+            # the anchored softmax met a cached score far above a row's own ones (layers.attend):
+            # the exact stabiliser, for this call only
+            self.exact_reruns += 1
+            logits = np.asarray(logits_lib.read_slab(*args, anchored=False))
+        return logits
 
     def read_reference(self, entries, usages) -> list[list[np.ndarray]]:
         """One independent full forward per row (verification): no shared prefix, no cache, no
@@ -395,59 +402,34 @@ class Executor:
             out.append(per)
         return out
 
-    def read_rows(self, cache, rows: list[Row], prefix_of_row, *, keys=None) -> list[np.ndarray]:
-        """Label logits of `rows` continuing `cache` (one shared prefix, or a stacked cache with
-        `prefix_of_row`), through question-header segments where they pay (over a stacked cache,
-        each header continues its own prefix); rows longer than a prefill chunk one by one, chunk by
-        chunk (`read_long_row`). `keys`: the Mode B keys of markers in `cache` (one shared prefix
-        ending in an options block), which rows with `keys_before` score against."""
-        if any(r.keys_before for r in rows) and (keys is None or prefix_of_row is not None):
-            raise ValueError("Mode B rows after an options block read the keys of its one shared prefix")
-        long = [i for i, r in enumerate(rows) if is_long(r)]
-        if long:
-            out: list = [None] * len(rows)
-            short = [i for i, r in enumerate(rows) if not is_long(r)]
-            if short:
-                which = None if prefix_of_row is None else [prefix_of_row[i] for i in short]
-                for i, logits in zip(short, self.read_rows(cache, [rows[i] for i in short], which, keys=keys)):
-                    out[i] = logits
-            for i in long:
-                own = cache if prefix_of_row is None else cache_lib.take_row(cache, prefix_of_row[i])
-                out[i] = self.read_long_row(own, rows[i], keys)
-            return out
-        seg = self.segment_plan(rows, prefix_of_row) if cache is not None else None
-        if seg is None:
-            return self.read_calls(cache, rows, prefix_of_row=prefix_of_row, keys=keys)
-        prefix_of_header = None if prefix_of_row is None else seg.prefix_of_header
-        seg_cache, where = self.compute_segments(cache, seg.headers, prefix_of_header)
-        return self.read_calls(seg_cache, seg.rest, segment_of_row=[where[h] for h in seg.header_of_row])
-
     @staticmethod
     def long_row_calls(offset: int, slots: int, row: Row) -> list[tuple]:
         """The device calls (program keys) of a long row continuing a cache whose next slot is
-        `offset` of `slots`: ("chunk", slots, PREFILL_CHUNK) per leading chunk, each written into
-        the cache grown to hold it (to a multiple of `buckets.LONG_ROW_SLOTS`, so these programs are
-        shared by every prefix of the same multiple, and a chunk scores few empty slots),
-        ("chunk-marked", slots, chunk, markers bucket) for a chunk holding Mode B markers (the head
-        reads them on the way), then ("tail", slots, tail bucket, codes bucket [, "modeb"]) reading
-        the row's last tokens (padded to a `buckets.TAIL` size) like any row."""
-        chunk = buckets.PREFILL_CHUNK
+        `offset` of `slots`: its leading chunks as `buckets.chunks` runs them, ("chunk", capacity,
+        chunk) each, written into the cache grown to a `buckets.CAPACITY` size (the programs a
+        prefill's later chunks run, shared by every prefix and row length), ("chunk-marked",
+        capacity, chunk, markers bucket) for a chunk holding Mode B markers (the head reads them on
+        the way), then ("tail", capacity, tail bucket, codes bucket) reading the row's last tokens
+        (`tail_start`: at most `buckets.TAIL[0]` of a row past a chunk, padded to a `buckets.TAIL`
+        size), a Mode A or a Mode B row alike."""
         n = len(row.tokens)
-        calls, start = [], 0
-        while n - start > chunk:
-            slots = max(slots, -(-(offset + chunk) // buckets.LONG_ROW_SLOTS) * buckets.LONG_ROW_SLOTS)
-            inside = markers_in(row, start, start + chunk)
-            if inside:
-                calls.append(("chunk-marked", slots, chunk, buckets.fit(len(inside), buckets.CODES, "markers")))
+        lead = tail_start(n)
+        calls = []
+        for start, size, cap in buckets.chunks(lead, offset, slots) if lead else ():
+            inside = markers_in(row, start, min(start + size, lead))
+            if not slots:  # no prefix: the row's lead is one (prefill_programs)
+                calls.append(("prefill" if not cap else "chunk", cap, size))
+            elif inside:
+                calls.append(("chunk-marked", cap, size, buckets.fit(len(inside), buckets.READ_CODES, "markers")))
             else:
-                calls.append(("chunk", slots, chunk))
-            offset, start = offset + chunk, start + chunk
-        tail = row.after(start)
-        key = ("tail", slots, buckets.fit(n - start, buckets.TAIL, "question length"))
-        # a Mode B tail reads its own markers (their keys and the query); the earlier ones are joined on the host
-        width = tail.width if tail.markers is None else max(1, len(tail.markers))
-        key += (buckets.fit(width, buckets.CODES, "label codes"),)
-        return calls + [key + (("modeb",) if tail.markers is not None else ())]
+                calls.append(("chunk", cap, size))
+            slots = max(cap, size)
+        tail = row.after(lead)
+        # a Mode B tail reads its own markers (their keys and the query; the earlier ones are joined on
+        # the host), a Mode A tail its label codes: one program, one codes bucket for both
+        width = max(1, len(tail.label_ids) if tail.markers is None else len(tail.markers))
+        tail_len = buckets.fit(n - lead, buckets.TAIL, "question length")
+        return calls + [("tail", slots, tail_len, buckets.fit(width, buckets.READ_CODES, "label codes"))]
 
     def read_long_row(self, cache, row: Row, lead_keys=None) -> np.ndarray:
         """Scores of one row longer than a prefill chunk, continuing a 1-row `cache` (or none): its
@@ -458,118 +440,65 @@ class Executor:
         behind: several times slower per token at 2k tokens, BENCHMARKS.md). A row with
         `keys_before` scores against `lead_keys` (the cache's markers') first."""
         bb = self.backbone
-        offset, slots = (0, 0) if cache is None else (int(cache["offset"]), int(cache["valid"].shape[1]))
         start, keys = 0, [] if not row.keys_before else [np.asarray(lead_keys)[: row.keys_before]]
-        for call in self.long_row_calls(offset, slots, row):
+        calls = self.long_row_calls(0, 0, row) if cache is None else None
+        if cache is None:  # no prefix: the row's leading chunks are one, computed as a prefix is
+            start = tail_start(len(row.tokens))
+            inside = markers_in(row, 0, start)
+            if not start:
+                pass
+            elif inside:
+                cache, hidden = bb.prefill(row.tokens[:start], markers=inside)
+                keys.append(np.asarray(modeb.marker_keys(bb.mode_b_head, jnp.asarray(hidden))))
+            else:
+                cache = bb.prefill(row.tokens[:start])
+            calls = calls[-1:]
+        else:
+            calls = self.long_row_calls(int(cache["offset"]), int(cache["valid"].shape[1]), row)
+        lead = tail_start(len(row.tokens))
+        for call in calls:
             kind, size, length = call[:3]
             if kind == "tail":
                 break
-            tokens, valid = map(jnp.asarray, logits_lib.pack_prefixes([row.tokens[start : start + length]], 1, length))
-            if cache is not None:
-                cache = cache_lib.grow(cache, size)
+            stop = min(start + length, lead)  # the last chunk stops where the tail starts (padded)
+            tokens, valid = logits_lib.pack_prefixes([row.tokens[start:stop]], 1, length)
             if kind == "chunk-marked":
-                inside = [m - start for m in markers_in(row, start, start + length)]
+                inside = [m - start for m in markers_in(row, start, stop)]
                 pos = np.zeros((1, call[3]), np.int32)
                 pos[0, : len(inside)] = inside
                 part, cache = logits_lib.extend_cache_marked(
-                    bb.params, bb.mode_b_head, cache, tokens, valid, jnp.asarray(pos), bb.config
+                    bb.params,
+                    bb.mode_b_head,
+                    cache_lib.grow(cache, size),
+                    jnp.asarray(tokens),
+                    jnp.asarray(valid),
+                    jnp.asarray(pos),
+                    bb.config,
                 )
                 keys.append(np.asarray(part)[0, : len(inside)])
             else:
-                cache = logits_lib.extend_cache(bb.params, cache, tokens, valid, bb.config)
-            start += length
+                cache = bb.extend_chunk(cache, tokens, valid, size)
+            start = stop
         tail = row.after(start)
-        batch = logits_lib.pack_rows([tail], 1, length, call[3])
+        batch = logits_lib.pack_rows([tail], 1, call[2], call[3])
+        logits, tail_keys, query = logits_lib.read_tail(
+            bb.params,
+            bb.mode_b_head,  # with or without markers in the row: one program
+            cache,
+            *map(jnp.asarray, (batch.tokens_BT, batch.valid_BT, batch.answer_B, batch.label_ids_BC, batch.markers_BC)),
+            bb.config,
+        )
         if batch.marked:  # the answer position's query against every marker's key, the chunks' first
-            tail_keys, query = logits_lib.read_marked_tail(
-                bb.params,
-                bb.mode_b_head,
-                cache,
-                *map(jnp.asarray, (batch.tokens_BT, batch.valid_BT, batch.answer_B, batch.markers_BC)),
-                bb.config,
-            )
             all_keys = np.concatenate(keys + [np.asarray(tail_keys)[0, : len(tail.markers)]])
             return all_keys @ np.asarray(query)[0]
-        logits = logits_lib.read_rows(
-            bb.params,
-            None,
-            cache,
-            None,
-            *map(jnp.asarray, (batch.tokens_BT, batch.valid_BT, batch.answer_B, batch.label_ids_BC)),
-            None,
-            None,
-            bb.config,
-            anchored=False,  # one row, one call, no rerun to fall back on: the exact softmax
-        )
         return np.asarray(logits)[0, : tail.width]
 
-    def compute_segments(self, cache, headers: list[list[int]], prefix_of_header: list[int] | None = None):
-        """(segment cache of every header after the shared prefix, or after its own prefix of a
-        stacked cache (`prefix_of_header`), header index -> its cache row)."""
-        bb = self.backbone
-        sg, calls = self.segment_calls(headers)
-        parts, where, first_row = [], {}, 0
-        for idx, bsz in calls:
-            tokens, valid = logits_lib.pack_prefixes([headers[h] for h in idx], bsz, sg)
-            for j, h in enumerate(idx):
-                where[h] = first_row + j
-            first_row += bsz
-            which = None
-            if prefix_of_header is not None:
-                which = np.zeros((bsz,), np.int32)
-                which[: len(idx)] = [prefix_of_header[h] for h in idx]
-                which = jnp.asarray(which)
-            args = (bb.params, cache, jnp.asarray(tokens), jnp.asarray(valid), bb.config)
-            part, finite = logits_lib.compute_segments(*args, prefix_B=which)
-            if not np.asarray(finite)[: len(idx)].all():  # the anchored softmax could not serve a header
-                self.exact_reruns += 1
-                part, _ = logits_lib.compute_segments(*args, anchored=False, prefix_B=which)
-            parts.append(part)
-        return cache_lib.concat_segments(parts, buckets.fit(first_row, SEGMENT_ROWS, "question headers")), where
 
-    def read_calls(
-        self, cache, rows: list[Row], *, prefix_of_row=None, segment_of_row=None, keys=None
-    ) -> list[np.ndarray]:
-        """Label logits of `rows` in bucketed batched calls. Each row continues `cache` (a shared
-        prefix), its request's prefix in a stacked cache (`prefix_of_row`), or its header's segment
-        (`segment_of_row`, which knows its prefix). Every call first with the anchored softmax. A
-        row with `keys_before` (all its markers in the shared prefix) scores against `keys`."""
-        out: list[np.ndarray | None] = [None] * len(rows)
-        bb = self.backbone
-        per_row = prefix_of_row if segment_of_row is None else segment_of_row
-        fn = logits_lib.read_rows if segment_of_row is None else logits_lib.read_segment_rows
-        for call in self.calls(rows):
-            batch = logits_lib.pack_rows([rows[i] for i in call.rows], call.batch, call.length, call.codes)
-            which = None
-            if per_row is not None:
-                which = np.zeros((call.batch,), np.int32)
-                which[: len(call.rows)] = [per_row[i] for i in call.rows]
-            keyed = {}
-            if call.keyed:
-                keyed = keyed_inputs([rows[i] for i in call.rows], keys, call.batch, call.codes)
-            args = (
-                bb.params,
-                bb.mode_b_head if batch.marked else None,
-                cache,
-                None if which is None else jnp.asarray(which),
-                jnp.asarray(batch.tokens_BT),
-                jnp.asarray(batch.valid_BT),
-                jnp.asarray(batch.answer_B),
-                jnp.asarray(batch.label_ids_BC),
-                # a call without Mode B rows neither sends nor reads markers (the Mode A program)
-                jnp.asarray(batch.markers_BC) if batch.marked else None,
-                jnp.asarray(batch.marked_B) if batch.marked else None,
-                bb.config,
-            )
-            logits = np.asarray(fn(*args, **keyed))
-            if not np.isfinite(logits[: len(call.rows)]).all():
-                # the anchored softmax met a cached score far above a row's own ones (layers.attend):
-                # the exact stabiliser, for this call only
-                self.exact_reruns += 1
-                logits = np.asarray(fn(*args, anchored=False, **keyed))
-            for j, i in enumerate(call.rows):
-                out[i] = logits[j, : rows[i].width]
-        return out
+def tail_start(n: int) -> int:
+    """Where a row read alone splits into leading chunks and its tail: a row of up to a chunk is all
+    tail; a longer one's tail is its last `buckets.TAIL[0]` tokens (its chunks take the rest, the last
+    one padded), so its tail is one program per capacity, wherever its text ends."""
+    return 0 if n <= buckets.PREFILL_CHUNK else n - buckets.TAIL[0]
 
 
 def prefill_program(prefix_ids) -> str:
@@ -578,34 +507,21 @@ def prefill_program(prefix_ids) -> str:
     return "prefill-image" if getattr(prefix_ids, "images", ()) else "prefill"
 
 
+def prefill_programs(prefix_ids) -> set[tuple]:
+    """The programs computing a prefix (`Backbone.prefill` in `buckets.chunks` calls): its first chunk
+    (kind, 0, size) and each later chunk (kind, capacity, size). A text prefix's later chunks are the
+    "chunk" programs long rows run too (a Mode B options block's too: every chunk returns its hidden
+    states); one with images has programs of its own."""
+    kind = prefill_program(prefix_ids)
+    later = "chunk" if kind == "prefill" else kind
+    return {(kind if cap == 0 else later, cap, size) for _, size, cap in buckets.chunks(max(1, len(prefix_ids)))}
+
+
 def markers_in(row: Row, start: int, stop: int) -> list[int]:
     """A Mode B row's marker positions within tokens [start, stop) (none for a Mode A row)."""
     return [m for m in row.markers or () if start <= m < stop]
 
 
-def keyed_inputs(rows: list[Row], keys, n_rows: int, n_codes: int) -> dict:
-    """A keyed call's `keys_BCK` / `keyed_B`: each row with `keys_before` gets the first of `keys`
-    (its options block's markers, read with the prefix); it must hold no markers of its own."""
-    keys = np.asarray(keys, np.float32)
-    keys_BCK = np.zeros((n_rows, n_codes, keys.shape[-1]), np.float32)
-    keyed_B = np.zeros((n_rows,), bool)
-    for j, r in enumerate(rows):
-        if r.keys_before:
-            if r.markers:
-                raise ValueError("a Mode B row reads its markers all in its row or all in the prefix it continues")
-            keys_BCK[j, : r.keys_before], keyed_B[j] = keys[: r.keys_before], True
-    return {"keys_BCK": jnp.asarray(keys_BCK), "keyed_B": jnp.asarray(keyed_B)}
-
-
 def is_long(row: Row) -> bool:
     """A row read chunk by chunk (`Executor.read_long_row`) rather than in one call."""
     return len(row.tokens) > buckets.PREFILL_CHUNK
-
-
-def stack_caches(caches: list[dict], n: int) -> dict:
-    """Several 1-row prefix caches as one n-row cache (rows past len(caches) repeat the first),
-    every one grown to the same number of slots."""
-    slots = max(c["valid"].shape[1] for c in caches)
-    grown = [cache_lib.grow(c, slots) for c in caches]
-    grown += [grown[0]] * (n - len(grown))
-    return cache_lib.concat_rows(grown)

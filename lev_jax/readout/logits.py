@@ -249,6 +249,53 @@ def read_rows(
 
 
 @programs.program(("cfg", "anchored"), dry=True)
+def read_slab(
+    params,
+    cache,
+    prefix_L,
+    tokens_LT,
+    valid_LT,
+    positions_LT,
+    segments_LT,
+    parents_LT,
+    answer_LR,
+    label_ids_LRC,
+    cfg,
+    anchored=True,
+):
+    """[L, R, C] fp32 label logits of rows packed into L lanes (readout.slab): lane l continues
+    `cache` (one shared prefix, `prefix_L` None) or row `prefix_L[l]` of a stacked cache, and each
+    token sees the prefix, its own segment's earlier tokens and its header segment's (`parents_LT`),
+    at its own position after the prefix. `segments_LT` None: one row per lane (a model with
+    recurrent layers), read causally."""
+    if prefix_L is not None:
+        cache = cache_lib.index_rows(cache, prefix_L)
+    L, T = tokens_LT.shape
+    mask = None
+    if segments_LT is not None:
+        seen = (segments_LT[:, None, :] == segments_LT[:, :, None]) | (
+            segments_LT[:, None, :] == parents_LT[:, :, None]
+        )
+        mask = seen & jnp.tril(jnp.ones((T, T), bool))[None] & valid_LT[:, None, :]
+    start = jnp.zeros((L, 1), jnp.int32) if cache is None else jnp.broadcast_to(cache["pos"], (L,))[:, None]
+    hidden_LRE, _ = models.forward(
+        params,
+        tokens_LT,
+        cache,
+        cfg,
+        valid_BT=valid_LT,
+        positions_BT=start + positions_LT,
+        readout_BR=answer_LR,
+        cache_write=models.CacheWrite.NONE,
+        anchored_softmax=anchored,
+        mask_BTT=mask,
+    )
+    R, C = label_ids_LRC.shape[1:]
+    logits = models.label_logits(params, hidden_LRE.reshape(L * R, -1), label_ids_LRC.reshape(L * R, C), cfg)
+    return logits.reshape(L, R, C)
+
+
+@programs.program(("cfg", "anchored"), dry=True)
 def read_segment_rows(
     params,
     head,
@@ -307,38 +354,35 @@ def compute_segments(params, cache, tokens_BT, valid_BT, cfg, anchored=True, pre
 
 
 @programs.program(("cfg",), dry=True)
-def extend_cache(params, cache, tokens_BT, valid_BT, cfg):
-    """`cache` continued by B rows of tokens, written into its slots (a long row's leading chunks)."""
-    readout = jnp.zeros((tokens_BT.shape[0], 1), jnp.int32)  # the hidden state is not needed
-    _, cache = models.forward(params, tokens_BT, cache, cfg, valid_BT=valid_BT, readout_BR=readout)
-    return cache
-
-
-@programs.program(("cfg",), dry=True)
 def extend_cache_marked(params, head, cache, tokens_BT, valid_BT, markers_BR, cfg):
-    """(Mode B head keys at `markers_BR`, the continued cache): `extend_cache` for a chunk of a long
+    """(Mode B head keys at `markers_BR`, the continued cache): `Backbone.extend_chunk` for a chunk of a long
     Mode B row, whose markers inside the chunk are read on the way (their keys wait for the row's
-    answer position, `read_marked_tail`)."""
+    answer position, `read_tail`)."""
     hidden_BRE, cache = models.forward(params, tokens_BT, cache, cfg, valid_BT=valid_BT, readout_BR=markers_BR)
     return modeb.marker_keys(head, hidden_BRE), cache
 
 
 @programs.program(("cfg",), dry=True)
-def read_marked_tail(params, head, cache, tokens_BT, valid_BT, answer_B, markers_BC, cfg):
-    """(keys at `markers_BC`, query at `answer_B`) of the last tokens of long Mode B rows continuing
-    `cache`: with the keys of the row's earlier chunks (`extend_cache_marked`), its scores."""
+def read_tail(params, head, cache, tokens_BT, valid_BT, answer_B, label_ids_BC, markers_BC, cfg):
+    """(label logits [B, C], Mode B keys at `markers_BC` [B, C, K], the answer's query [B, K]) of the
+    last tokens of rows read alone after `cache` (a long row's chunks, or its prefix): a Mode A row
+    reads the logits, a Mode B row its keys and query (with its earlier chunks' keys, its scores).
+    One program for both (`head` None: a model without a Mode B head, logits only); exact softmax."""
     readout_BR = jnp.concatenate([answer_B[:, None], markers_BC], axis=1)
     hidden_BRE = rows_hidden(params, cache, None, tokens_BT, valid_BT, readout_BR, cfg, False, "none")
-    return modeb.marker_keys(head, hidden_BRE[:, 1:]), modeb.answer_query(head, hidden_BRE[:, 0])
+    logits = models.label_logits(params, hidden_BRE[:, 0], label_ids_BC, cfg)
+    if head is None:
+        return logits, None, None
+    return logits, modeb.marker_keys(head, hidden_BRE[:, 1:]), modeb.answer_query(head, hidden_BRE[:, 0])
 
 
 def compiled_programs() -> int:
     """Row, segment and long-row programs compiled so far in this process."""
     return (
-        read_rows.count()
+        read_slab.count()
+        + read_rows.count()
         + extend_cache_marked.count()
-        + read_marked_tail.count()
+        + read_tail.count()
         + read_segment_rows.count()
         + compute_segments.count()
-        + extend_cache.count()
     )

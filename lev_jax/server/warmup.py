@@ -1,18 +1,18 @@
 """Start-up warm-up: compile, in the background, the device programs ordinary requests hit.
 
-A program is compiled the first time a shape bucket is used (lev_jax/buckets.py); on a 2-core CPU
-each costs about a second, and a first request needs several (its state's prefill, its rows, and
-the stacked shapes of concurrent requests). The warm-up runs a grid of representative requests
-through the engine while the server already answers (`/health` says "warming", then "ready"):
-states at the common sizes x the common question mixes (a yes/no, a small choice, a score, and
-all three together), single; then the tails of rows longer than a prefill chunk and the prefill of
-every prefix size up to a chunk (shape signatures: `long_row_shapes`, `prefill_shapes`), which with
-the schema first is what a question about a document needs whatever its exact length; then
-concurrent micro-batches; smallest first, within a time budget. With the persistent compilation
-cache (lev_jax/runtime.py) a restarted server loads these programs from disk instead of compiling
-them, so its warm-up takes a fraction of the first. The grid's requests are read dry
-(`programs.dry_run`): their programs are compiled, or loaded, and run once, but no row read is
-computed again.
+Every device call runs one of a small fixed set of programs (lev_jax/buckets.py: prefill and
+long-row chunks per cache capacity, slab shapes, tails); on a 2-core CPU each costs a second or
+two to compile. The warm-up runs a grid of representative requests through the engine while the
+server already answers (`/health` says "warming", then "ready"): states at the common sizes x the
+common question mixes (a yes/no, a small choice, a score, and all three together), single, and
+with a Mode B head large choices of 32 to 255 options; then rows of one to three chunks and their
+tails and the prefill of the first-chunk sizes (shape signatures: `long_row_shapes`,
+`prefill_shapes`), which with the schema first is what a question about a document needs whatever
+its exact length; then concurrent micro-batches; smallest first, within a time budget. With the
+persistent compilation cache (lev_jax/runtime.py) a restarted server loads these programs from disk
+instead of compiling them, so its warm-up takes a fraction of the first. The grid's requests are
+read dry (`programs.dry_run`): their programs are compiled, or loaded, and run once, but no row
+read is computed again.
 
 What the grid cannot guess is the shapes of the traffic a deployment really gets. A server with a
 compilation cache records the shape (no content: `readout.shapes`) of every batch that made it compile
@@ -52,6 +52,9 @@ CHOICE = {
 }
 SCORE = {"type": "score", "instructions": "How urgent is this ticket?", "criteria": ["low", "medium", "high"]}
 MIXES = ({"noul": NOUL}, {"choice": CHOICE}, {"score": SCORE}, {"noul": NOUL, "choice": CHOICE, "score": SCORE})
+# large choices a model with a Mode B head reads with it: each options block is a prefix of its own
+# size (its chunks and its answer's read after the state, per cache capacity)
+LARGE_CHOICES = (32, 64, 128, 255)
 CONCURRENT = (2, 4, 8)  # micro-batch sizes warmed for the all-three mix
 CONCURRENT_MAX_TOKENS = 250  # ... on states up to this size (8 larger states are compute, not compiles)
 DEFAULT_BUDGET_S = 600.0  # the whole grid on an empty cache on a 2-core CPU (BENCHMARKS.md)
@@ -79,6 +82,14 @@ def default_batches(engine) -> list[list[tuple]]:
     states = [state_of(engine, n) for n in STATE_TOKENS]
     batches = [[(state, mix)] for state in states for mix in MIXES]
     everything = MIXES[-1]
+    if engine.info().get("mode_b"):
+        for n in LARGE_CHOICES:
+            large = {
+                "type": "choice",
+                "instructions": "Which queue should this ticket go to?",
+                "criteria": {f"Queue {i:03d}": f"Tickets routed to queue {i}" for i in range(1, n + 1)},
+            }
+            batches.append([(states[0], {"queue": large})])
     for n in CONCURRENT:
         for state in states[: sum(t <= CONCURRENT_MAX_TOKENS for t in STATE_TOKENS)]:
             batches.append([(f"{state} ({i})", everything) for i in range(n)])
@@ -87,22 +98,23 @@ def default_batches(engine) -> list[list[tuple]]:
 
 def long_row_shapes(engine) -> list[dict]:
     """Shape signatures (`readout.shapes`) of the all-three mix with every row longer than a prefill
-    chunk, one per `buckets.TAIL` size. A row past a chunk is read chunk by chunk and then its tail,
-    whose length depends on where the row's text ends: with the schema first every question about a
-    state of more than a few hundred tokens is such a row, so these few programs are what a request
-    about a ~2 KB document needs, whatever its exact length."""
+    chunk: one to four chunks and a tail. A row past a chunk is read chunk by chunk (each into the
+    cache grown to the capacity that holds it) and then its tail, one program each per capacity
+    wherever the row's text ends (readout.execute.tail_start): with the schema first every question
+    about a state of more than a few hundred tokens is such a row, so these few programs are what a
+    request about a document of up to ~1,500 tokens needs, whatever its exact length."""
     from lev_jax import buckets
     from lev_jax.readout import shapes
 
     plan = engine.plan(state_of(engine, STATE_TOKENS[0]), MIXES[-1])  # a short prefix: the common cache size
     base = shapes.signature([(plan.prefix_ids, plan.rows)])
     out = []
-    for tail in buckets.TAIL:
+    for chunks in (1, 2, 3, 4):
         sig = json.loads(json.dumps(base))
         for spec in sig["rows"]:
             # [length, parent, shared, header, stateless, labels, ...]: a lead of `stateless` tokens
-            # joins the prefix; the rest is one chunk and the tail
-            spec[0] = spec[4] + buckets.PREFILL_CHUNK + tail
+            # joins the prefix; the rest is whole chunks and the tail
+            spec[0] = spec[4] + chunks * buckets.PREFILL_CHUNK + buckets.TAIL[0]
         out.append(sig)
     return out
 
@@ -206,6 +218,7 @@ class Warmup:
         self.shapes_planned = 0
         self.shapes_done = 0
         self.shape_log = shape_log
+        self.programs: set | None = None  # the grid's program keys, once planned
         self.planned = 0 if batches is None else len(batches)
         self.recorded_planned = 0
         self.recorded_done = 0
@@ -251,6 +264,7 @@ class Warmup:
             if sigs is None:
                 sigs = [] if self.batches is not None else long_row_shapes(self.engine) + prefill_shapes(self.engine)
             self.planned, self.shapes_planned = len(batches), len(sigs)
+            self.programs = self.plan_programs(batches, sigs)
             singles = [b for b in batches if len(b) == 1]
             jobs = [(True, b) for b in singles] + [(False, s) for s in sigs]
             jobs += [(True, b) for b in batches if len(b) != 1]
@@ -317,6 +331,24 @@ class Warmup:
             self.recorded_done += 1
             self.seconds = time.perf_counter() - t0
 
+    def plan_programs(self, batches, sigs) -> set | None:
+        """The program keys the grid runs (`/health` reports how many exist and how many are ready);
+        None for an engine that cannot name them."""
+        from lev_jax.readout import shapes
+
+        try:
+            keys = set()
+            for batch in batches:
+                keys |= self.engine.batch_programs([self.engine.plan(s, q) for s, q in batch])
+            for sig in sigs:
+                keys |= self.engine.executor.batch_programs(
+                    shapes.synthesize(sig, self.engine.backbone.config.vocab_size)
+                )
+            return keys
+        except Exception:  # noqa: BLE001 — a report, never a reason to fail the warm-up
+            log.info("warm-up: the grid's programs could not be listed", exc_info=True)
+            return None
+
     def _compiled(self):
         try:
             return int(self.engine.info().get("compiled_programs"))
@@ -336,4 +368,15 @@ class Warmup:
             "seconds": round(self.seconds if self.state == "ready" else self.seconds, 3),
             "budget_s": self.budget_s,
             "stopped_early": self.stopped_early,
+            # the distinct device programs the grid needs, and how many of them this process has run
+            "programs_planned": None if self.programs is None else len(self.programs),
+            "programs_ready": None if self.programs is None else len(self.programs & self._ready_keys()),
         }
+
+    def _ready_keys(self) -> set:
+        for _ in range(3):  # the engine's set grows under other threads; a copy may meet a resize
+            try:
+                return set(getattr(self.engine, "compiled_keys", ()))
+            except RuntimeError:
+                continue
+        return set()

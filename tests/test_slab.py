@@ -36,7 +36,7 @@ def test_every_row_is_read_once_after_exactly_its_own_tokens(packable):
     assert reads == list(range(len(rows)))
     for ln in lanes:
         assert len(ln.tokens) <= buckets.PREFILL_CHUNK
-        assert len(ln.reads) <= buckets.PREFILL_CHUNK // slab.READS_PER_TOKENS
+        assert len(ln.reads) <= slab.READS
         for r, at in ln.reads:
             assert prefix_of_row[r] == ln.prefix  # a lane continues one prefix
             assert _seen(ln, at) == rows[r].tokens  # its own tokens, header included, nothing else
@@ -91,6 +91,15 @@ def test_the_arrays_of_a_call_hold_its_lanes_and_only_them():
         for k, (r, at) in enumerate(lanes[i].reads):
             assert a.answer_LR[j, k] == at and list(a.label_ids_LRC[j, k, :3]) == rows[r].label_ids
     assert not a.valid_LT[len(call.lanes) :].any()
+
+
+def test_a_short_lane_of_many_tiny_rows_reads_every_one():
+    rows = [Row([7, 8, 9, 10, 11], [1, 2]) for _ in range(12)]  # 60 tokens: the short lane, 12 answers
+    lanes = slab.lanes(rows, [0] * len(rows), packable=True, width=buckets.PREFILL_CHUNK)
+    (call,) = slab.calls(lanes, SHAPES)
+    assert call.shape == (1, buckets.SHORT_LANE)
+    a = slab.arrays(lanes, call, rows, {0: 0})
+    assert sorted(a.answer_LR[0, : len(rows)]) == [5 * k + 4 for k in range(len(rows))]
 
 
 def test_rows_a_slab_does_not_read():

@@ -25,7 +25,8 @@ from lev_jax import buckets
 from lev_jax.readout.plan import Row
 
 CODES = 32  # label codes a slab row reads: wider rows (large choices) are read one by one
-READS_PER_TOKENS = 8  # a lane of T tokens reads at most T / 8 rows (rows are rarely shorter)
+READS_PER_TOKENS = 8  # a lane of a chunk's tokens reads at most a chunk / 8 rows (rows are rarely shorter)
+READS = buckets.PREFILL_CHUNK // READS_PER_TOKENS  # answers read per lane, in every slab shape
 
 
 def eligible(row: Row) -> bool:
@@ -94,7 +95,7 @@ def units(rows: list[Row], prefix_of_row: list[int], *, packable: bool, width: i
 def lanes(rows: list[Row], prefix_of_row: list[int], *, packable: bool, width: int) -> list[Lane]:
     """The rows packed into lanes of at most `width` tokens (first fit, longest units first), each
     lane one prefix's."""
-    reads = max(1, width // READS_PER_TOKENS)
+    reads = READS
     out: list[Lane] = []
     todo = units(rows, prefix_of_row, packable=packable, width=width, reads=reads)
     for u in sorted(todo, key=lambda u: -u.cost(rows)):
@@ -184,7 +185,7 @@ class Arrays:
 def arrays(packed: list[Lane], call: Call, rows: list[Row], stack_row: dict[int, int]) -> Arrays:
     """The call's lanes as arrays of its shape; `stack_row`: group -> its row in the call's cache."""
     L, T = call.shape
-    R = max(1, T // READS_PER_TOKENS)
+    R = READS  # a short lane may hold as many rows as a long one (a few tokens each)
     out = Arrays(
         np.zeros((L, T), np.int32),
         np.zeros((L, T), bool),

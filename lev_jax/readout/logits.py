@@ -295,64 +295,6 @@ def read_slab(
     return logits.reshape(L, R, C)
 
 
-@programs.program(("cfg", "anchored"), dry=True)
-def read_segment_rows(
-    params,
-    head,
-    cache,
-    segment_B,
-    tokens_BT,
-    valid_BT,
-    answer_B,
-    label_ids_BC,
-    markers_BC,
-    marked_B,
-    cfg,
-    anchored=True,
-):
-    """`read_rows` for rows that continue a segment cache: row b reads segment `segment_B[b]`."""
-    return rows_scores(
-        params,
-        head,
-        cache_lib.select_rows(cache, segment_B),
-        None,
-        tokens_BT,
-        valid_BT,
-        answer_B,
-        label_ids_BC,
-        markers_BC,
-        marked_B,
-        cfg,
-        anchored=anchored,
-    )
-
-
-@programs.program(("cfg", "anchored"), dry=True)
-def compute_segments(params, cache, tokens_BT, valid_BT, cfg, anchored=True, prefix_B=None):
-    """(segment cache, finite_B): B question headers continuing a shared prefix (`prefix_B` None) or,
-    header b, prefix `prefix_B[b]` of a stacked cache (read in place, cache.index_rows), kept per
-    row; `finite_B` is False for a header the anchored softmax could not serve (then: rerun exact)."""
-    readout = jnp.zeros((tokens_BT.shape[0], 1), jnp.int32)  # the hidden state is not needed; keep it small
-    _, seg = models.forward(
-        params,
-        tokens_BT,
-        cache if prefix_B is None else cache_lib.index_rows(cache, prefix_B),
-        cfg,
-        valid_BT=valid_BT,
-        readout_BR=readout,
-        cache_write=models.CacheWrite.SEGMENT,
-        anchored_softmax=anchored,
-    )
-    rows = [x for stk in seg["blocks"].values() for k, x in stk.items() if k in cache_lib.SEGMENT_ROW_KEYS]
-    row_axis = cache_lib.ROW_AXIS  # the entries are layer stacks: [n, B, ...]
-    finite = [
-        jnp.isfinite(jnp.moveaxis(x, row_axis, 0)).reshape(x.shape[row_axis], -1).all(axis=1)
-        for x in rows
-        if jnp.issubdtype(x.dtype, jnp.floating)
-    ]
-    return seg, jnp.all(jnp.stack(finite), axis=0)
-
-
 @programs.program(("cfg",), dry=True)
 def extend_cache_marked(params, head, cache, tokens_BT, valid_BT, markers_BR, cfg):
     """(Mode B head keys at `markers_BR`, the continued cache): `Backbone.extend_chunk` for a chunk of a long
@@ -378,11 +320,4 @@ def read_tail(params, head, cache, tokens_BT, valid_BT, answer_B, label_ids_BC, 
 
 def compiled_programs() -> int:
     """Row, segment and long-row programs compiled so far in this process."""
-    return (
-        read_slab.count()
-        + read_rows.count()
-        + extend_cache_marked.count()
-        + read_tail.count()
-        + read_segment_rows.count()
-        + compute_segments.count()
-    )
+    return read_slab.count() + read_rows.count() + extend_cache_marked.count() + read_tail.count()

@@ -5,6 +5,10 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded: missing, unexpected or mis-shaped tensors, a corrupt file."""
 
 
+class TrainingError(RuntimeError):
+    """A run that cannot go on (a checkpoint of another base model, no usable data): one line."""
+
+
 class RequestError(ValueError):
     """A request the engine cannot answer as asked (HTTP 400 api_usage_error)."""
 

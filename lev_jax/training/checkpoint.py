@@ -32,6 +32,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from lev_jax import durable
+from lev_jax.training import hosts
 
 log = logging.getLogger(__name__)
 
@@ -201,8 +202,6 @@ class Checkpoints:
             f"skipping corrupt checkpoint {src} ({type(error).__name__}: "
             f"{str(error).splitlines()[0] if str(error) else ''}); moved to {dest}"
         )
-        from lev_jax.training import hosts
-
         with hosts.first("checkpoint quarantine") as mine:  # one mover; the others wait for it
             if mine:
                 dest.parent.mkdir(parents=True, exist_ok=True)

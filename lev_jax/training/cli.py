@@ -418,9 +418,8 @@ def release_main(argv: Sequence[str], out) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from lev_jax.data.guard import ContaminationError
-    from lev_jax.errors import CheckpointError
+    from lev_jax.errors import CheckpointError, TrainingError
     from lev_jax.training.config import ConfigError
-    from lev_jax.training.loop import TrainingError
 
     def out(line: str) -> None:
         print(line, flush=True)

@@ -22,6 +22,8 @@ import os
 import jax
 import numpy as np
 
+from lev_jax.errors import TrainingError  # one line on stderr, exit 2, like process 0's
+
 ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 # how long the other processes wait for process 0's work (a calibration of a large model, a data
 # build): a day, so a slow step is never mistaken for a dead host (a dead process 0 is reported by
@@ -108,6 +110,4 @@ def first(name: str, timeout_s: float = WAIT_S):
     yield False
     status = client.blocking_key_value_get(key, int(timeout_s * 1000))
     if status != "ok":
-        from lev_jax.training.loop import TrainingError  # one line on stderr, exit 2, like process 0's
-
         raise TrainingError(f"process 0 failed {name}: {status.removeprefix('error: ')}")

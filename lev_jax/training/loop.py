@@ -27,6 +27,7 @@ import numpy as np
 import optax
 
 from lev_jax import models, readout
+from lev_jax.errors import TrainingError
 from lev_jax.readout import exits as exits_lib
 from lev_jax.readout import modeb
 from lev_jax.training import batches, checkpoint, hosts, lora
@@ -43,10 +44,6 @@ def parts(trainable: dict) -> tuple[dict, dict | None, dict | None]:
     """(adapter, Mode B head or None, exit adapters or None) of a trainable tree."""
     adapter = {k: v for k, v in trainable.items() if k not in EXTRAS}
     return adapter, trainable.get(modeb.HEAD_KEY), trainable.get(exits_lib.EXITS_KEY)
-
-
-class TrainingError(RuntimeError):
-    """A run that cannot go on (a checkpoint of another base model, no usable data): one line."""
 
 
 def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:

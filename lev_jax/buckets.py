@@ -72,16 +72,17 @@ def row_tokens_per_call(platform: str) -> int:
 
 
 # Short rows are read packed into slabs of lanes (readout.slab): a lane is at most a chunk long, and a
-# call holds a few lanes -- a short lane for a request of a few small questions, then up to the
-# device's per-call budget (on a CPU 1, 2 or 4 lanes; elsewhere powers of 4). These few shapes per
-# cache capacity are every short row's programs.
+# call holds a few lanes -- a short lane for a request of a few small questions, then powers of 4 up
+# to the device's per-call budget (on a CPU 1 or 4: two or three lanes of one prefix are calls of one,
+# so no empty lane is computed and no program is kept for them). These few shapes are every short
+# row's programs.
 SHORT_LANE = 64
 
 
 def slab_shapes(platform: str) -> tuple[tuple[int, int], ...]:
     """(lanes, tokens per lane) of the slab calls, smallest first."""
     most = max(1, row_tokens_per_call(platform) // PREFILL_CHUNK)
-    lanes = (1, 2, 4) if most <= 4 else tuple(4**k for k in range(8) if 4**k <= most)
+    lanes = tuple(4**k for k in range(8) if 4**k <= most)
     return ((1, SHORT_LANE),) + tuple((n, PREFILL_CHUNK) for n in lanes if n <= max(most, 1))
 
 

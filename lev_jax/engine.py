@@ -430,8 +430,8 @@ class Engine:
             "compilation_cache": runtime.compilation_cache_dir(),
             "row_tokens_per_call": buckets.row_tokens_per_call(self.platform),
             "compiled_programs": self.compiled_programs,
-            # of this process's executables: compiled here, loaded from the store (programs.py); row
-            # reads a warm-up or background compile ran dry
+            # of this process's executables: compiled here, loaded from the store (programs.py); calls
+            # a warm-up or background compile only built (programs.compile_only)
             "programs": programs.stats(),
             # the shapes every device call takes (readout.execute): prefixes and long rows in chunks
             # into caches of these capacities, short rows in slabs (lanes x tokens), tails

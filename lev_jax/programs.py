@@ -1,4 +1,4 @@
-"""The device programs serving runs: compiled per argument shapes, kept on disk, run dry by a warm-up.
+"""The device programs serving runs: compiled per argument shapes, kept on disk, built without running by a warm-up.
 
 `program` is `jax.jit` for the serving entry points (prefill, row reads, segments, long-row chunks,
 the elastic cascade, the vision tower), with the executables kept here per argument signature (the
@@ -19,13 +19,13 @@ reasons:
   warning, and the program is compiled), and every file carries an HMAC-SHA256 under a per-user key
   (`KEY_FILE`, 0600, made on first use) that is checked before a byte of it is unpacked, so a
   planted file never reaches the unpickler.
-- **A warm-up need not compute what it has run once** (`dry_run()`): under it, a program marked
-  `dry=True` (its outputs are only ever read as numbers or passed to other programs, never decide a
-  later program's shape) runs the first time a signature is called, because an executable's first
-  run costs ~0.3 s more than later ones (XLA:CPU), which would otherwise fall on the first request;
-  after that it returns ones of its output shapes instead of computing them. The others (a prefill,
-  whose cache position the next calls are shaped by) always run. A server's warm-up then costs its
-  compiles and one run of each program, not the compute of all its grid's requests.
+- **A warm-up computes nothing** (`compile_only()`): under it, a program call builds (compiles or
+  loads) the executable of its signature and returns zeros of its output shapes without running it.
+  The host code between calls decides every later shape from host values alone (a cache's next slot
+  is planned from the prefix's length, never read back from the device), so a warm-up request walks
+  through exactly the programs a real one would, and a server's warm-up costs its compiles (or loads),
+  not the compute of its grid's requests. What such a run returns is never kept: caches that outlive a
+  call (the prefix LRU, image features) are filled only when `computing()`.
 
 XLA:CPU loads every compiled program's machine code into memory regions of its own: a model
 program takes hundreds of entries of /proc/self/maps, and Linux refuses a process more than
@@ -119,7 +119,7 @@ STORE_DIR = "lev_jax_programs"  # inside the persistent compilation cache's dire
 STORE_ENV = "LEV_JAX_PROGRAM_STORE"  # "0": no store (JAX's own cache still applies)
 _registry: list[Program] = []
 _local = threading.local()
-_stats = {"compiled": 0, "loaded": 0, "jax_cache_hits": 0, "dry_calls": 0}
+_stats = {"compiled": 0, "loaded": 0, "jax_cache_hits": 0, "skipped_calls": 0}
 _stats_lock = threading.Lock()
 _listening = False
 
@@ -165,15 +165,36 @@ def _thread_flag(name: str):
         setattr(_local, name, before)
 
 
-def dry_run():
-    """In this thread, `dry=True` programs compile (or load) and run once per signature as usual, and
-    then return ones of their output shapes instead of running: for a warm-up, whose answers nobody
-    reads. (A context manager.)"""
-    return _thread_flag("dry")
+@contextlib.contextmanager
+def compile_only():
+    """In this thread, program calls build their executables and return zeros of their output shapes
+    instead of running: for a warm-up or a background compile, whose answers nobody reads. (A context
+    manager.)"""
+    outer = getattr(_local, "zeros", None)
+    _local.zeros = {} if outer is None else outer
+    try:
+        with _thread_flag("compile_only"):
+            yield
+    finally:
+        _local.zeros = outer
 
 
-def is_dry() -> bool:
-    return getattr(_local, "dry", False)
+def _zeros(spec):
+    """Zeros of `spec`'s shape and dtype, one array per shape for a compile-only run (arrays are
+    immutable: a grid's requests pass the same cache shapes around hundreds of times)."""
+    import jax.numpy as jnp
+
+    key = (tuple(spec.shape), str(spec.dtype))
+    made = _local.zeros.get(key)
+    if made is None:
+        made = _local.zeros[key] = jnp.zeros(spec.shape, spec.dtype)
+    return made
+
+
+def computing() -> bool:
+    """Whether program calls in this thread compute (False under `compile_only`): what they return
+    may be kept (in a cache that outlives the call) only when they do."""
+    return not getattr(_local, "compile_only", False)
 
 
 # -- priority: requests before background work ------------------------------------------------------
@@ -219,8 +240,9 @@ def yield_to_requests() -> float:
 
 def stats() -> dict:
     """Executables compiled, loaded from the store and found in JAX's own cache in this process, and
-    calls answered dry; the seconds they took in all, and the most recent ones each (`builds`: the
-    program's name, compiled or loaded, seconds; a signature counts once)."""
+    calls that only built their executable (`compile_only`); the seconds they took in all, and the
+    most recent ones each (`builds`: the program's name, compiled or loaded, seconds; a signature
+    counts once)."""
     with _stats_lock:
         return {
             **_stats,
@@ -379,17 +401,13 @@ class Program:
     """`jax.jit(fun, static_argnames=static)` whose executables are kept here, per signature (module
     doc): called like `fun`; `count()` is how many it holds."""
 
-    def __init__(self, fun, static: tuple[str, ...] = (), *, dry: bool = False):
+    def __init__(self, fun, static: tuple[str, ...] = ()):
         self.fun = fun
         self.name = f"{fun.__module__}.{fun.__qualname__}"
         self.static = tuple(static)
-        self.dry = dry
         self._jitted = None
         self.signature = inspect.signature(fun)
         self.executables: dict[tuple, object] = {}
-        # signatures run at least once: an executable's first run costs ~0.3 s more than the next
-        # (XLA:CPU, measured; per executable, not per thread), which a dry run pays too
-        self.executed: set[tuple] = set()
         self._lock = threading.Lock()
         self._compiling: dict[tuple, threading.Lock] = {}
         functools.update_wrapper(self, fun)
@@ -419,11 +437,9 @@ class Program:
     def clear(self) -> None:
         with self._lock:
             self.executables.clear()
-            self.executed.clear()
 
     def __call__(self, *args, **kwargs):
         import jax
-        import jax.numpy as jnp
 
         bound = self.signature.bind(*args, **kwargs)
         bound.apply_defaults()
@@ -437,12 +453,10 @@ class Program:
         exe = self.executables.get(key)
         if exe is None:
             exe = self._executable(key, arguments)
-        if self.dry and is_dry() and key in self.executed:
-            _count("dry_calls")
-            return jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), exe.out_info)
-        out = exe(**dynamic)
-        self.executed.add(key)
-        return out
+        if not computing():
+            _count("skipped_calls")
+            return jax.tree.map(_zeros, exe.out_info)
+        return exe(**dynamic)
 
     def _executable(self, key: tuple, arguments: dict):
         with self._lock:
@@ -553,10 +567,10 @@ class Program:
                 Path(tmp).unlink(missing_ok=True)
 
 
-def program(static_argnames: tuple[str, ...] = (), *, dry: bool = False):
+def program(static_argnames: tuple[str, ...] = ()):
     """Decorator: `fun` as a `Program` (`functools.partial(jax.jit, static_argnames=...)`'s place)."""
 
     def wrap(fun):
-        return Program(fun, static_argnames, dry=dry)
+        return Program(fun, static_argnames)
 
     return wrap

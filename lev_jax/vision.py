@@ -18,7 +18,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from lev_jax import domain
+from lev_jax import domain, programs
 from lev_jax.images import FeatureCache, ImagePreprocessor, PreparedImage
 from lev_jax.models.qwen3_5 import vision as tower
 from lev_jax.models.qwen3_5 import vision_params
@@ -141,8 +141,9 @@ class Vision:
                     return feats, True
             out = tower.encode(self.params, jnp.asarray(image.pixel_values), image.grid_thw, self.config)
             feats = np.asarray(out, np.float32)
-            self.tower_runs += 1
-            self.cache.put(image.key, feats)
+            if programs.computing():  # never a compile-only run's zeros
+                self.tower_runs += 1
+                self.cache.put(image.key, feats)
         return feats, False
 
     def prefix_inputs(self, ids, images, length: int):

@@ -444,7 +444,7 @@ def programs_of(health) -> dict | None:
     p = health.get("programs") if isinstance(health, dict) else None
     if not isinstance(p, dict):
         return None
-    keep = ("compiled", "loaded", "jax_cache_hits", "dry_calls", "build_seconds", "builds")
+    keep = ("compiled", "loaded", "jax_cache_hits", "skipped_calls", "build_seconds", "builds")
     return {k: p[k] for k in keep if k in p}
 
 

@@ -81,6 +81,31 @@ def test_the_load_test_s_fresh_requests_after_ready_compile_nothing_the_warm_up_
         assert keys and keys <= grid, (half, keys - grid)
 
 
+def test_the_sdk_request_and_jevcompat_s_option_ladder_run_only_the_grid_s_programs(default):
+    """The acceptance's SDK request (a ~2 KB state, a noul, a 3-option choice and a 3-level score)
+    and jevcompat's option ladder (a choice of 2 to 255 options: Mode A, then the Mode B head) need
+    no program the warm-up grid does not build: the shipped default is served by at most 16."""
+    from lev_jax.server import warmup
+
+    w = warmup.Warmup(default)
+    grid = w.plan_programs(
+        warmup.default_batches(default), warmup.long_row_shapes(default) + warmup.prefill_shapes(default)
+    )
+    assert grid and len(grid) <= 16
+    state = " ".join(warmup.WORDS[i % len(warmup.WORDS)] for i in range(380))
+    three = {"billing": "Payments, invoices, refunds", "delivery": None, "account": None}
+    sdk = {"refund": warmup.NOUL, "team": {**warmup.CHOICE, "criteria": three}}
+    sdk["urgency"] = warmup.SCORE
+    requests = [(state, sdk)]
+    for n in (2, 26, 64, 128, 255):
+        queues = {f"Queue {i:03d}": f"Tickets routed to queue {i}" for i in range(n)}
+        q = {"type": "choice", "instructions": "Which queue should this ticket go to?", "criteria": queues}
+        requests.append(("My invoice shows a charge I do not recognise", {"q": q}))
+    for s, q in requests:
+        keys = default.programs(s, q)
+        assert keys and keys <= grid, (len(q), keys - grid)
+
+
 def test_the_default_reads_a_large_taxonomy_with_its_mode_b_head_in_one_row(default):
     """The shipped release carries a Mode B pointer head: a choice of at least its threshold's options
     is read in one marked row (equal to one full forward), a small one by label codes."""

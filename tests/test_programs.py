@@ -1,6 +1,6 @@
 """lev_jax/programs.py: the memory-map guard (compiled programs are freed past the threshold, and
 recompile on demand), the executable store (a program compiled once is loaded back, not compiled; a
-damaged file is replaced) and dry runs (compiled, not computed; per thread)."""
+damaged file is replaced) and compile-only runs (built, not computed; nothing kept; per thread)."""
 
 import dataclasses
 import os
@@ -11,11 +11,10 @@ import threading
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import lev_jax
 from lev_jax import programs
-from lev_jax.elastic import cascade
-from lev_jax.readout import logits as logits_lib
 from lev_jax.testing import tiny_backbone
 
 
@@ -34,7 +33,7 @@ def test_guard_frees_compiled_programs_past_its_threshold_only():
     assert f._cache_size() == 1
 
 
-# -- programs: the executable store and dry runs ---------------------------------------------------
+# -- programs: the executable store and compile-only runs ---------------------------------------------------
 
 
 QUESTIONS = {
@@ -47,11 +46,11 @@ QUESTIONS = {
 }
 
 
-def _engine(seed: int):
+def _engine(seed: int, **kwargs):
     bb = tiny_backbone("llama", seed=seed)
     # programs of its own: nothing another test compiled (in memory or in the session's store) is reused
     bb.config = dataclasses.replace(bb.config, rope_theta=bb.config.rope_theta + 0.25 * seed + 0.125)
-    return lev_jax.Engine(bb, prefix_cache_bytes=0)
+    return lev_jax.Engine(bb, **{"prefix_cache_bytes": 0, **kwargs})
 
 
 def _probs(answers: dict) -> list[float]:
@@ -114,51 +113,61 @@ def test_a_damaged_stored_program_is_dropped_and_never_stored_from_jax_s_cache(c
     np.testing.assert_allclose(_probs(engine.predict("Where is my parcel?", QUESTIONS)), _probs(first), atol=1e-6)
 
 
-def test_a_dry_run_runs_each_program_once_then_skips_row_reads_and_leaves_answers_alone():
-    engine = _engine(seed=5)
-    state = "My parcel never arrived and I was charged twice."
-    other = "My parcel never arrived and I was charged twice!"  # the same token count: the same programs
-    assert engine.programs(state, QUESTIONS) == engine.programs(other, QUESTIONS)
-    with programs.dry_run():
-        assert programs.is_dry()
-        before = programs.stats()
-        first = engine.predict(state, QUESTIONS)  # compiles, and runs each program once (its first run)
-        assert programs.stats()["dry_calls"] == before["dry_calls"]
-        dry = engine.predict(other, QUESTIONS)  # nothing new: the row reads are skipped
-        assert programs.stats()["dry_calls"] > before["dry_calls"]
-    assert not programs.is_dry()
-    # every row read returned ones: each question's labels tie
+@pytest.mark.parametrize("layout", ["state_first", "schema_first"])
+def test_a_compile_only_run_builds_every_program_a_request_runs_and_computes_and_keeps_nothing(layout):
+    """Under compile_only every program call builds its executable and returns zeros without running:
+    a request then walks through exactly the programs the same request computed runs (a long state:
+    schema first, rows of chunks and a tail continuing the cached question lead, whose next slot the
+    host plans), and nothing it returned is kept -- the prefix LRU holds no zero cache."""
+    engine = _engine(seed=5, layout=layout, prefix_cache_bytes=256 << 20)
+    state = " ".join(["My parcel never arrived and I was charged twice for the same order."] * 30)
+    keys = engine.programs(state, QUESTIONS)
+    assert any(k[0] == "chunk" for k in keys) and any(k[0] in ("tail", "slab") for k in keys)
+    before = programs.stats()
+    with programs.compile_only():
+        assert not programs.computing()
+        dry = engine.predict(state, QUESTIONS)
+    assert programs.computing()
+    after = programs.stats()
+    assert after["skipped_calls"] > before["skipped_calls"]
+    assert after["compiled"] + after["loaded"] + after["jax_cache_hits"] > (
+        before["compiled"] + before["loaded"] + before["jax_cache_hits"]
+    )
+    assert keys <= engine.compiled_keys
+    assert not engine.executor.prefixes  # no zero cache was kept for the next request
+    # every read returned zeros: each question's labels tie
     assert dry["refund"]["noul"] == 0.5
     assert len(set(dry["team"]["probabilities"].values())) == 1
-    assert engine.programs(state, QUESTIONS) <= engine.compiled_keys
-    compiled = engine.compiled_programs
-    real = engine.predict(state, QUESTIONS)  # compiles nothing: the dry run did
-    assert engine.compiled_programs == compiled
-    np.testing.assert_allclose(_probs(real), _probs(first), atol=1e-6)
+    built = programs.stats()
+    real = engine.predict(state, QUESTIONS)  # builds nothing: the compile-only run did
+    now = programs.stats()
+    assert (now["compiled"], now["loaded"], now["jax_cache_hits"]) == (
+        built["compiled"],
+        built["loaded"],
+        built["jax_cache_hits"],
+    )
+    assert engine.executor.prefixes  # a computed prefix is kept
     reference = engine.predict(state, QUESTIONS, reference=True)
     np.testing.assert_allclose(_probs(real), _probs(reference), atol=1e-5)
     assert real["refund"]["noul"] != 0.5
 
 
-def test_dry_runs_are_per_thread_and_programs_work_inside_a_trace():
+def test_compile_only_is_per_thread_and_programs_work_inside_a_trace():
     seen = []
-    with programs.dry_run():
-        t = threading.Thread(target=lambda: seen.append(programs.is_dry()))
+    with programs.compile_only():
+        t = threading.Thread(target=lambda: seen.append(programs.computing()))
         t.start()
         t.join()
-    assert seen == [False]
+    assert seen == [True]
 
     x = jnp.arange(3.0)
     assert np.asarray(jax.grad(lambda v: _scaled(v, 2.0).sum())(x)).tolist() == [2.0, 2.0, 2.0]
     assert np.asarray(jax.jit(lambda v: _scaled(v, 3.0))(x)).tolist() == [0.0, 3.0, 6.0]
     assert np.asarray(_scaled(x, 3.0)).tolist() == [0.0, 3.0, 6.0]
     assert _scaled.count() == 1  # the plain call's executable; the traced ones ran as jit
-    assert (
-        logits_lib.read_slab.dry
-        and logits_lib.read_rows.dry
-        and logits_lib.extend_cache_marked.dry
-        and not cascade.prefill.dry
-    )
+    with programs.compile_only():
+        assert np.asarray(_scaled(x, 3.0)).tolist() == [0.0, 0.0, 0.0]  # built, not run
+    assert _scaled.count() == 1
 
 
 @programs.program(("factor",))

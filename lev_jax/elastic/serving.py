@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lev_jax import buckets
+from lev_jax import buckets, programs
 from lev_jax.elastic import cascade
 from lev_jax.readout import logits as logits_lib
 from lev_jax.readout.execute import Executor, is_long, prefill_program
@@ -93,7 +93,7 @@ class Cascade:
         else:
             pre = cascade.deepen(bb.params, got[0], bb.config, depth)
         size = sum(x.nbytes for x in jax.tree.leaves(pre))
-        if size <= self.prefix_cache_bytes:
+        if size <= self.prefix_cache_bytes and programs.computing():  # never a compile-only run's zeros
             with self.lock:
                 self.prefixes[key] = (pre, size)
                 self.prefixes.move_to_end(key)

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lev_jax import buckets
+from lev_jax import buckets, programs
 from lev_jax.models import cache as cache_lib
 from lev_jax.readout import logits as logits_lib
 from lev_jax.readout import modeb
@@ -182,12 +182,16 @@ class Executor:
 
     def read_plan(self, groups_rows: list[list[Row]], slots: list[int]) -> ReadPlan:
         """How the rows of several groups (each continuing its own prefix cache of `slots` slots, 0 for
-        none) are read: the short Mode A rows packed into slabs (readout.slab), shared across groups
-        where a call's lanes continue several prefixes; every other row (long, Mode B, wide) alone."""
+        none) are read: the short Mode A rows after a prefix of up to a chunk packed into slabs
+        (readout.slab), shared across groups where a call's lanes continue several prefixes; every
+        other row (long, Mode B, wide, or after a longer prefix) alone. Slabs read caches of one
+        capacity only, so they are a few programs in all, not a few per capacity; a row after a
+        longer prefix is read by its capacity's tail program, which long rows need anyway."""
         flat, single = [], []
         for g, rows in enumerate(groups_rows):
             for i, r in enumerate(rows):
-                (flat if slab_lib.eligible(r) else single).append((g, i))
+                packs = slab_lib.eligible(r) and slots[g] <= slab_lib.CACHE_SLOTS
+                (flat if packs else single).append((g, i))
         rows = [groups_rows[g][i] for g, i in flat]
         packed = slab_lib.lanes(rows, [g for g, _ in flat], packable=self.packable, width=buckets.PREFILL_CHUNK)
         calls = slab_lib.calls(
@@ -265,7 +269,7 @@ class Executor:
         else:
             cache = self.backbone.prefill(tokens, valid, chunk=buckets.PREFILL_CHUNK)
         size = sum(x.nbytes for x in jax.tree.leaves(cache)) + (0 if keys is None else keys.nbytes)
-        if size <= self.prefix_cache_bytes:
+        if size <= self.prefix_cache_bytes and programs.computing():  # never a compile-only run's zeros
             with self.lock:
                 self.prefixes[key] = (cache, size, keys)
                 while sum(n for _, n, _ in self.prefixes.values()) > self.prefix_cache_bytes:
@@ -287,7 +291,7 @@ class Executor:
                 usage.processed += len(prefix_ids)
                 usage.cached += len(prefix_ids) if hit else 0
             usage.processed += sum(len(r.tokens) for r in rows)
-            groups.append((cache, keys, rows))
+            groups.append((cache, keys, rows, len(prefix_ids)))
         return self.read_groups(groups)
 
     def read_stateless(self, entries, usages) -> list[list[np.ndarray]]:
@@ -306,7 +310,7 @@ class Executor:
                     usages[e].cached += len(key) if hit or seen else 0
                     seen.add(e)
                 usages[e].processed += len(r.tokens)
-            groups.append((cache, keys, rest))
+            groups.append((cache, keys, rest, len(key)))
             wheres.append(where)
         for where, logits in zip(wheres, self.read_groups(groups)):
             for (e, i), x in zip(where, logits):
@@ -314,21 +318,23 @@ class Executor:
         return out
 
     def read_groups(self, groups) -> list[list[np.ndarray]]:
-        """Label logits of the rows of (cache, Mode B keys or None, rows) groups, each continuing its
-        own prefix cache (None: no prefix): the short Mode A rows of every group in slab calls
-        (`read_plan`), every other row alone (`read_long_row`)."""
-        out: list = [[None] * len(rows) for _, _, rows in groups]
-        slots = [0 if c is None else int(c["valid"].shape[1]) for c, _, _ in groups]
-        plan = self.read_plan([rows for _, _, rows in groups], slots)
+        """Label logits of the rows of (cache, Mode B keys or None, rows, prefix tokens) groups, each
+        continuing its own prefix cache (None: no prefix): the short Mode A rows of every group in
+        slab calls (`read_plan`), every other row alone (`read_long_row`). Every shape is planned on
+        the host from the prefixes' lengths (`buckets.prefilled`), nothing read back from the device,
+        so a compile-only run (programs.compile_only) takes the same programs as a computed one."""
+        out: list = [[None] * len(rows) for _, _, rows, _ in groups]
+        filled = [buckets.prefilled(n) for *_, n in groups]
+        plan = self.read_plan([rows for _, _, rows, _ in groups], [s for _, s in filled])
         for call in plan.calls:
-            logits = self.read_call(plan, call, [c for c, _, _ in groups])
+            logits = self.read_call(plan, call, [c for c, *_ in groups])
             for j, lane in enumerate(call.lanes):
                 for k, (r, _) in enumerate(plan.packed[lane].reads):
                     g, i = plan.flat[r]
                     out[g][i] = logits[j, k, : len(plan.rows[r].label_ids)]
         for g, i in plan.single:
-            cache, keys, rows = groups[g]
-            out[g][i] = self.read_long_row(cache, rows[i], keys)
+            cache, keys, rows, _ = groups[g]
+            out[g][i] = self.read_long_row(cache, filled[g][0], rows[i], keys)
         return out
 
     def read_call(self, plan: ReadPlan, call, caches) -> np.ndarray:
@@ -410,10 +416,10 @@ class Executor:
         prefill's later chunks run, shared by every prefix and row length), ("chunk-marked",
         capacity, chunk, markers bucket) for a chunk holding Mode B markers (the head reads them on
         the way), then ("tail", capacity, tail bucket, codes bucket) reading the row's last tokens
-        (`tail_start`: at most `buckets.TAIL[0]` of a row past a chunk, padded to a `buckets.TAIL`
+        (`tail_start`: the last `buckets.TAIL[0]` of a row longer than that, padded to a `buckets.TAIL`
         size), a Mode A or a Mode B row alike."""
         n = len(row.tokens)
-        lead = tail_start(n)
+        lead = tail_start(row)
         calls = []
         for start, size, cap in buckets.chunks(lead, offset, slots) if lead else ():
             inside = markers_in(row, start, min(start + size, lead))
@@ -431,8 +437,9 @@ class Executor:
         tail_len = buckets.fit(n - lead, buckets.TAIL, "question length")
         return calls + [("tail", slots, tail_len, buckets.fit(width, buckets.READ_CODES, "label codes"))]
 
-    def read_long_row(self, cache, row: Row, lead_keys=None) -> np.ndarray:
-        """Scores of one row longer than a prefill chunk, continuing a 1-row `cache` (or none): its
+    def read_long_row(self, cache, offset: int, row: Row, lead_keys=None) -> np.ndarray:
+        """Scores of one row longer than a prefill chunk, continuing a 1-row `cache` (or none) whose
+        next slot is `offset` (planned on the host: `read_groups`): its
         leading chunks extend a private copy of the cache exactly as a prefill does (a Mode B row's
         markers inside them scored on the way), then its last tokens are read like any row. The cost
         follows the row's tokens at the prefill rate; one call over all of them would score every
@@ -443,7 +450,7 @@ class Executor:
         start, keys = 0, [] if not row.keys_before else [np.asarray(lead_keys)[: row.keys_before]]
         calls = self.long_row_calls(0, 0, row) if cache is None else None
         if cache is None:  # no prefix: the row's leading chunks are one, computed as a prefix is
-            start = tail_start(len(row.tokens))
+            start = tail_start(row)
             inside = markers_in(row, 0, start)
             if not start:
                 pass
@@ -454,8 +461,8 @@ class Executor:
                 cache = bb.prefill(row.tokens[:start])
             calls = calls[-1:]
         else:
-            calls = self.long_row_calls(int(cache["offset"]), int(cache["valid"].shape[1]), row)
-        lead = tail_start(len(row.tokens))
+            calls = self.long_row_calls(offset, int(cache["valid"].shape[1]), row)
+        lead = tail_start(row)
         for call in calls:
             kind, size, length = call[:3]
             if kind == "tail":
@@ -494,11 +501,14 @@ class Executor:
         return np.asarray(logits)[0, : tail.width]
 
 
-def tail_start(n: int) -> int:
-    """Where a row read alone splits into leading chunks and its tail: a row of up to a chunk is all
-    tail; a longer one's tail is its last `buckets.TAIL[0]` tokens (its chunks take the rest, the last
-    one padded), so its tail is one program per capacity, wherever its text ends."""
-    return 0 if n <= buckets.PREFILL_CHUNK else n - buckets.TAIL[0]
+def tail_start(row: Row) -> int:
+    """Where a row read alone splits into leading chunks and its tail, a `buckets.TAIL[0]`-token tail
+    wherever its text ends (the chunks take the rest, the last one padded), so its tail is one
+    program per capacity: a Mode A row of more than a tail, or a Mode B row of more than a chunk
+    (shorter ones are all tail: their markers would otherwise need a marked chunk of their own)."""
+    n = len(row.tokens)
+    whole = buckets.TAIL[0] if row.markers is None else buckets.PREFILL_CHUNK
+    return 0 if n <= whole else n - buckets.TAIL[0]
 
 
 def prefill_program(prefix_ids) -> str:

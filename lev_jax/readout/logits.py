@@ -213,7 +213,7 @@ def prefixed_label_logits(
 # `head` is None for calls without Mode B rows (one program per bucket, as before a head existed);
 # `markers_BC` / `marked_B` are then ignored. `keys_BCK` / `keyed_B` (another program): Mode B rows
 # after an options block whose markers' keys were read with the prefix (`rows_scores`).
-@programs.program(("cfg", "anchored"), dry=True)
+@programs.program(("cfg", "anchored"))
 def read_rows(
     params,
     head,
@@ -248,7 +248,7 @@ def read_rows(
     )
 
 
-@programs.program(("cfg", "anchored"), dry=True)
+@programs.program(("cfg", "anchored"))
 def read_slab(
     params,
     cache,
@@ -295,7 +295,7 @@ def read_slab(
     return logits.reshape(L, R, C)
 
 
-@programs.program(("cfg",), dry=True)
+@programs.program(("cfg",))
 def extend_cache_marked(params, head, cache, tokens_BT, valid_BT, markers_BR, cfg):
     """(Mode B head keys at `markers_BR`, the continued cache): `Backbone.extend_chunk` for a chunk of a long
     Mode B row, whose markers inside the chunk are read on the way (their keys wait for the row's
@@ -304,7 +304,7 @@ def extend_cache_marked(params, head, cache, tokens_BT, valid_BT, markers_BR, cf
     return modeb.marker_keys(head, hidden_BRE), cache
 
 
-@programs.program(("cfg",), dry=True)
+@programs.program(("cfg",))
 def read_tail(params, head, cache, tokens_BT, valid_BT, answer_B, label_ids_BC, markers_BC, cfg):
     """(label logits [B, C], Mode B keys at `markers_BC` [B, C, K], the answer's query [B, K]) of the
     last tokens of rows read alone after `cache` (a long row's chunks, or its prefix): a Mode A row

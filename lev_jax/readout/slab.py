@@ -7,9 +7,11 @@ the header's tokens are in the lane once, as a segment whose continuations name 
 parent). Every row keeps its own positions (from the prefix's end), so a row reads exactly what it
 would alone. Answers are read at R positions per lane, each against C label codes.
 
-The shapes are fixed, not fitted to each request: every short row of every request is served by a
-few programs per cache capacity (one per slab shape, shared prefix or stacked prefixes), where a
-(rows bucket x row-length bucket x label-codes bucket) grid made a server compile dozens.
+The shapes are fixed, not fitted to each request: every short row after a prefix of up to a chunk
+(with the schema first: after its question's lead) is served by a few programs (one per slab shape,
+shared prefix or stacked prefixes), where a (rows bucket x row-length bucket x label-codes bucket)
+grid made a server compile dozens. Rows after a longer prefix are read one by one
+(readout.execute.read_plan).
 
 A recurrent layer (Qwen3.5's Gated DeltaNet) runs through every token of a lane, so for a model that
 has one each lane holds one row (`packable=False`).
@@ -25,6 +27,7 @@ from lev_jax import buckets
 from lev_jax.readout.plan import Row
 
 CODES = 32  # label codes a slab row reads: wider rows (large choices) are read one by one
+CACHE_SLOTS = buckets.CAPACITY[0]  # the one cache capacity slabs read (a prefix of up to a chunk)
 READS_PER_TOKENS = 8  # a lane of a chunk's tokens reads at most a chunk / 8 rows (rows are rarely shorter)
 READS = buckets.PREFILL_CHUNK // READS_PER_TOKENS  # answers read per lane, in every slab shape
 
@@ -134,7 +137,7 @@ class Call:
 
 def calls(packed: list[Lane], shapes: tuple[tuple[int, int], ...], *, stackable=lambda a, b: True) -> list[Call]:
     """Lanes into calls of the slab shapes (`shapes`, (L, T) pairs). Lanes of one prefix take the
-    lane counts whose sum they are, largest first (7 lanes: 4 + 2 + 1, no empty lane computed), a lone
+    lane counts whose sum they are, largest first (7 lanes: 4 + 1 + 1 + 1, no empty lane computed), a lone
     short lane the short shape; lanes of several prefixes (a micro-batch, or schema-first leads) are
     stacked in calls of the most lanes, spread evenly, so a stacked cache comes in one shape. Lanes
     of prefixes that `stackable` says cannot share a call (no cache, say) never do."""

@@ -28,8 +28,8 @@ two cores or more, requests that arrive together, each needing programs of its o
 after start-up), compile side by side instead of each waiting for all the compiles before its own.
 A batch of ready requests whose *combination* is new (stacked micro-batch shapes) runs its requests
 one by one in the main lane, and the compile lane, when idle, compiles that combination in the
-background by running the same batch once more, dry (`programs.dry_run`: its programs compiled and
-run once, no row read computed twice; the results are dropped anyway), so the next such batch runs stacked.
+background by running the same batch once more, compile-only (`programs.compile_only`: its programs
+built, none run; the results are dropped anyway), so the next such batch runs stacked.
 """
 
 from __future__ import annotations
@@ -469,8 +469,8 @@ class Scheduler:
             return call(requests)
 
     def _compile_only(self, requests: list[tuple[Any, dict]]) -> list[Any]:
-        """A background compile: the batch run dry (`programs.dry_run`), after any request in flight."""
-        with programs.dry_run(), programs.background():
+        """A background compile: the batch run compile-only (`programs.compile_only`), after any request in flight."""
+        with programs.compile_only(), programs.background():
             return self._call(requests)
 
     def _call_each(self, requests: list[tuple[Any, dict]]) -> list[Any]:

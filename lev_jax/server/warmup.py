@@ -10,9 +10,9 @@ tails and the prefill of the first-chunk sizes (shape signatures: `long_row_shap
 `prefill_shapes`), which with the schema first is what a question about a document needs whatever
 its exact length; then concurrent micro-batches; smallest first, within a time budget. With the
 persistent compilation cache (lev_jax/runtime.py) a restarted server loads these programs from disk
-instead of compiling them, so its warm-up takes a fraction of the first. The grid's requests are
-read dry (`programs.dry_run`): their programs are compiled, or loaded, and run once, but no row
-read is computed again.
+instead of compiling them, so its warm-up takes a fraction of the first. The grid's requests
+compute nothing (`programs.compile_only`): each program call builds its executable and returns
+zeros, so a warm-up costs its compiles (or loads) alone.
 
 What the grid cannot guess is the shapes of the traffic a deployment really gets. A server with a
 compilation cache records the shape (no content: `readout.shapes`) of every batch that made it compile
@@ -248,10 +248,10 @@ class Warmup:
             self._thread.join(timeout)
 
     def run(self) -> None:
-        # compute no row read whose program has run (programs.dry_run): the grid's answers are dropped,
-        # and on a restart whose programs are all stored, computing them was most of the time; and
-        # step aside at every program call while a request is in flight (programs.background)
-        with programs.dry_run(), programs.background():
+        # compute nothing (programs.compile_only): the grid's answers are dropped, and on a restart
+        # whose programs are all stored, computing them was most of the time; and step aside at
+        # every program call while a request is in flight (programs.background)
+        with programs.compile_only(), programs.background():
             self._run()
 
     def _run(self) -> None:
@@ -273,8 +273,10 @@ class Warmup:
                     self.stopped_early = True
                     break
                 if is_batch:
-                    results = self.engine.predict_many(job)
-                    self.failed += sum(isinstance(r, Exception) for r in results)
+                    # a batch whose programs an earlier one built has nothing left to build
+                    if not self._built(job):
+                        results = self.engine.predict_many(job)
+                        self.failed += sum(isinstance(r, Exception) for r in results)
                     self.done += 1
                 else:
                     try:
@@ -348,6 +350,13 @@ class Warmup:
         except Exception:  # noqa: BLE001 — a report, never a reason to fail the warm-up
             log.info("warm-up: the grid's programs could not be listed", exc_info=True)
             return None
+
+    def _built(self, batch) -> bool:
+        """Whether every program `batch` runs is built already (False for an engine that cannot say)."""
+        try:
+            return bool(self.engine.ready(batch))
+        except Exception:  # noqa: BLE001 — an engine without the predicate: run the batch
+            return False
 
     def _compiled(self):
         try:

@@ -506,6 +506,7 @@ class Program:
         body = self._authentic(path)
         if body is None:
             return None
+        import jax
         import zstandard
         from jax.experimental import serialize_executable
 
@@ -516,7 +517,12 @@ class Program:
             return None
         try:
             payload, in_tree, out_tree = pickle.loads(zstandard.ZstdDecompressor().decompress(body))
-            exe = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            # stored programs take single-device inputs (`_path`): loaded for this process's default
+            # device, not (deserialize_and_load's default) for all of them -- in a process with
+            # several, that executable would expect every argument sharded over them all
+            exe = serialize_executable.deserialize_and_load(
+                payload, in_tree, out_tree, execution_devices=jax.devices()[:1]
+            )
         except Exception as e:  # noqa: BLE001 — a damaged or stale file: compile instead
             log.warning("ignoring the stored program %s (%s: %s)", path.name, type(e).__name__, e)
             path.unlink(missing_ok=True)

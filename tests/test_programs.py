@@ -225,14 +225,18 @@ print(programs.stats()["loaded"], float(x.sum()))
 """
 
 
-def test_a_new_process_runs_a_stored_program_that_calls_lapack(tmp_path):
+@pytest.mark.parametrize("devices", [1, 8])
+def test_a_new_process_runs_a_stored_program_that_calls_lapack(tmp_path, devices):
     """A process that only loads a stored executable never lowers anything, and jaxlib fills in
     LAPACK's function pointers when it first lowers a LAPACK operation: without
     `programs.prepare_loading` the second process below crashed (SIGSEGV) running the loaded solve --
     the cause of the crashes that kept the store opt-in for one stop (Qwen3.5's servers and training
-    runs)."""
+    runs). With 8 host devices a loaded executable expected its arguments sharded over all 8 (loaded
+    for every device, not the default one) and failed on its first call."""
     env = {k: v for k, v in os.environ.items() if k != programs.STORE_ENV}  # the default: stored
     env["LEV_JAX_CACHE"] = str(tmp_path)
+    if devices > 1:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     runs = [
         subprocess.run([sys.executable, "-c", LAPACK_PROGRAM], env=env, capture_output=True, text=True, timeout=300)
         for _ in range(2)

@@ -44,9 +44,10 @@ def test_bounded_overload(server):
     assert after["c8"]["ok"] == after["serial"]["ok"] == 16
     assert after["checked_alone"] == 16  # every concurrent answer equals the same request alone
     assert [s["loop"] + s["half"] for s in after["segments"]] == ["c8A", "serialB", "serialA", "c8B"]
-    # no warm-up: the first fresh half meets cold programs; the second may find every program it needs
-    # already compiled (the serving program set is small and fixed, buckets.py), so it is not asserted
-    assert after["c8"]["compiled_during"] > 0
+    # what compiled during each half is reported, not asserted: the serving program set is small and
+    # fixed (buckets.py), and programs are per process, so earlier tests in this worker may have built
+    # every one of them
+    assert all(after[loop]["compiled_during"] is not None for loop in ("c8", "serial"))
     assert report["after_ready_c8_vs_serial"] is not None
     assert [c[1].split()[0] for c in report["checks"]] == ["none", "after_ready_c8_vs_serial", "warm_c8_vs_serial"]
     assert report["checks"][0][0] == "PASS"

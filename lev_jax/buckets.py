@@ -83,7 +83,7 @@ def slab_shapes(platform: str) -> tuple[tuple[int, int], ...]:
     """(lanes, tokens per lane) of the slab calls, smallest first."""
     most = max(1, row_tokens_per_call(platform) // PREFILL_CHUNK)
     lanes = tuple(4**k for k in range(8) if 4**k <= most)
-    return ((1, SHORT_LANE),) + tuple((n, PREFILL_CHUNK) for n in lanes if n <= max(most, 1))
+    return ((1, SHORT_LANE),) + tuple((n, PREFILL_CHUNK) for n in lanes)
 
 
 def chunks(n: int, offset: int = 0, slots: int = 0, chunk: int = PREFILL_CHUNK) -> list[tuple[int, int, int]]:

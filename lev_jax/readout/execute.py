@@ -438,10 +438,11 @@ class Executor:
         return calls + [("tail", slots, tail_len, buckets.fit(width, buckets.READ_CODES, "label codes"))]
 
     def read_long_row(self, cache, offset: int, row: Row, lead_keys=None) -> np.ndarray:
-        """Scores of one row longer than a prefill chunk, continuing a 1-row `cache` (or none) whose
-        next slot is `offset` (planned on the host: `read_groups`): its
-        leading chunks extend a private copy of the cache exactly as a prefill does (a Mode B row's
-        markers inside them scored on the way), then its last tokens are read like any row. The cost
+        """Scores of one row read alone (`read_plan`: long, Mode B, wide, or after a prefix of more
+        than a chunk), continuing a 1-row `cache` (or none) whose next slot is `offset` (planned on
+        the host: `read_groups`): its leading chunks (`tail_start`) extend a private copy of the
+        cache exactly as a prefill does (a Mode B row's markers inside them scored on the way), then
+        its last tokens are read like any row. The cost
         follows the row's tokens at the prefill rate; one call over all of them would score every
         token against every other at once (a T x T block per head that leaves the CPU's caches far
         behind: several times slower per token at 2k tokens, BENCHMARKS.md). A row with

@@ -72,18 +72,36 @@ def row_tokens_per_call(platform: str) -> int:
 
 
 # Short rows are read packed into slabs of lanes (readout.slab): a lane is at most a chunk long, and a
-# call holds a few lanes -- a short lane for a request of a few small questions, then powers of 4 up
-# to the device's per-call budget (on a CPU 1 or 4: two or three lanes of one prefix are calls of one,
-# so no empty lane is computed and no program is kept for them). These few shapes are every short
-# row's programs.
+# call holds a few lanes -- powers of 4 up to the device's per-call budget (on a CPU 1 or 4), of a
+# chunk's tokens, or of SHORT_LANE tokens for the few small questions of a lone request (at most two
+# lane counts: short lanes beyond that fill chunk-long calls). These few shapes are every short row's
+# programs.
 SHORT_LANE = 64
+# What a slab call costs beyond its lanes' tokens, in tokens' time (the weights read once per call,
+# dispatch): calls are planned at the least total cost (readout.slab.calls), so a lone request's three
+# short lanes take one 4 x 64 call, not a 4 x 256 one nor three calls of their own, and lanes of one
+# prefix take the lane counts they sum to where that computes less. `python -m scripts.bench_slab`
+# measures it (it prints the fitted value for the device it runs on).
+CALL_TOKENS = {"cpu": 112}
+# an accelerator: a call is bound by its launch and its weight reads up to thousands of tokens (assumed,
+# not measured here: no accelerator on the machines this was written on)
+CALL_TOKENS_DEFAULT = 4096
+
+
+def call_tokens(platform: str) -> int:
+    return CALL_TOKENS.get(platform, CALL_TOKENS_DEFAULT)
 
 
 def slab_shapes(platform: str) -> tuple[tuple[int, int], ...]:
     """(lanes, tokens per lane) of the slab calls, smallest first."""
     most = max(1, row_tokens_per_call(platform) // PREFILL_CHUNK)
     lanes = tuple(4**k for k in range(8) if 4**k <= most)
-    return ((1, SHORT_LANE),) + tuple((n, PREFILL_CHUNK) for n in lanes)
+    return tuple(
+        sorted(
+            {(n, SHORT_LANE) for n in lanes[:2]} | {(n, PREFILL_CHUNK) for n in lanes},
+            key=lambda s: (s[0] * s[1], s[1]),
+        )
+    )
 
 
 def chunks(n: int, offset: int = 0, slots: int = 0, chunk: int = PREFILL_CHUNK) -> list[tuple[int, int, int]]:

@@ -162,9 +162,11 @@ def test_the_engine_knows_what_compiles(engine):
     assert not engine.ready([a])
     engine.predict_many([a])
     assert engine.ready([a]) and engine.ready([b])  # same buckets: nothing new to compile
-    assert not engine.ready([a, b])  # the stacked micro-batch shape is new
-    engine.predict_many([a, b])
-    assert engine.ready([b, a])
+    assert engine.ready([a, b])  # two short lanes: a 1-lane call each (cheaper than one of 4 lanes)
+    c, d = (("Another unseen state, about a " + w, q) for w in ("parcel.", "card."))
+    assert not engine.ready([a, b, c, d])  # the stacked micro-batch shape is new
+    engine.predict_many([a, b, c, d])
+    assert engine.ready([d, c, b, a])
     longer = ("word " * 200, q)
     assert not engine.ready([longer])  # a new prefix bucket
 

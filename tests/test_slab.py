@@ -52,36 +52,83 @@ def test_every_row_is_read_once_after_exactly_its_own_tokens(packable):
         assert all(len(ln.reads) == 1 and max(ln.parents) == -1 for ln in lanes)
 
 
-def test_calls_take_the_smallest_shape_and_stack_only_what_may_meet():
+CALL = buckets.call_tokens("cpu")
+
+
+def _cost(lanes, calls):
+    for c in calls:  # every call holds its lanes
+        assert c.shape in SHAPES and len(c.lanes) <= c.shape[0]
+        assert max(len(lanes[i].tokens) for i in c.lanes) <= c.shape[1]
+    assert sorted(i for c in calls for i in c.lanes) == list(range(len(lanes)))  # each lane once
+    return sum(L * T + CALL for L, T in (c.shape for c in calls))
+
+
+def _partitions(items):
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in _partitions(rest):
+        yield [[first]] + part
+        for k in range(len(part)):
+            yield part[:k] + [[first] + part[k]] + part[k + 1 :]
+
+
+def _cheapest(lengths):
+    """The least cost of any split of the lanes into calls (every set partition, each block in its
+    cheapest shape)."""
+    inf = float("inf")
+    block = lambda b: min(
+        (L * T + CALL for L, T in SHAPES if L >= len(b) and T >= max(lengths[i] for i in b)), default=inf
+    )  # noqa: E731
+    return min(sum(block(b) for b in p) for p in _partitions(list(range(len(lengths)))))
+
+
+def test_calls_cost_the_least_of_any_split():
+    rng = np.random.default_rng(1)
+    for _ in range(40):
+        lengths = [int(x) for x in rng.choice([20, 64, 65, 120, 256], size=int(rng.integers(1, 8)))]
+        lanes = [slab.Lane(int(rng.integers(0, 3)), tokens=[1] * n) for n in lengths]
+        assert _cost(lanes, slab.calls(lanes, SHAPES, call_tokens=CALL)) == _cheapest(lengths)
+
+
+def test_calls_take_the_cheapest_shapes_and_stack_only_what_may_meet():
     rng = np.random.default_rng(1)
     rows = _rows(rng, 3, lo=5, hi=20)
     lanes = slab.lanes(rows, [0, 0, 0], packable=True, width=buckets.PREFILL_CHUNK)
-    (call,) = slab.calls(lanes, SHAPES)
-    assert call.shape == (1, buckets.SHORT_LANE) and not call.stacked
+    (call,) = slab.calls(lanes, SHAPES, call_tokens=CALL)
+    assert call.shape == (1, buckets.SHORT_LANE) and not call.stacked  # a lone short lane: as it is
+    # a lone request with the schema first: three questions' leads, a short lane each -- one stacked
+    # call of short lanes (three calls, or a 4 x 256 call, compute more)
+    three = [slab.Lane(p, tokens=[1] * 50) for p in range(3)]
+    (call,) = slab.calls(three, SHAPES, call_tokens=CALL)
+    assert call.shape == (4, buckets.SHORT_LANE) and call.stacked
+    # the lanes of one prefix: the lane counts they sum to, largest first, no empty lane computed;
+    # a call of several lanes reads a stacked cache even when they are one prefix's (one program)
+    one = [slab.Lane(0, tokens=[1] * 200) for _ in range(7)]
+    calls = slab.calls(one, SHAPES, call_tokens=CALL)
+    assert [(c.shape, c.stacked) for c in calls] == [((4, 256), True)] + [((1, 256), False)] * 3
+    # many prefixes' lanes: stacked, at the least cost
     rows = _rows(rng, 40, header=8, lo=30, hi=60)
     prefix_of_row = [i % 5 for i in range(len(rows))]
     lanes = slab.lanes(rows, prefix_of_row, packable=True, width=buckets.PREFILL_CHUNK)
-    calls = slab.calls(lanes, SHAPES)
-    assert sorted(i for c in calls for i in c.lanes) == list(range(len(lanes)))
-    assert all(c.shape in SHAPES and len(c.lanes) <= c.shape[0] for c in calls)
-    assert any(c.stacked for c in calls)
-    sizes = [len(c.lanes) for c in calls]
-    assert max(sizes) - min(sizes) <= 1  # spread evenly
-    # the lanes of one prefix: the lane counts they sum to, largest first, no empty lane computed
-    one = [slab.Lane(0, tokens=[1] * 200) for _ in range(7)]
-    assert [c.shape for c in slab.calls(one, SHAPES)] == [(4, 256), (1, 256), (1, 256), (1, 256)]
-    assert not any(c.stacked for c in slab.calls(one, SHAPES))
+    calls = slab.calls(lanes, SHAPES, call_tokens=CALL)
+    assert any(c.stacked and len({lanes[i].prefix for i in c.lanes}) > 1 for c in calls)
+    assert _cost(lanes, calls) == _cheapest([len(ln.tokens) for ln in lanes])
     # prefixes that may not share a call (no cache and a cache) never do
-    apart = slab.calls(lanes, SHAPES, stackable=lambda a, b: (a == 0) == (b == 0))
+    apart = slab.calls(lanes, SHAPES, slots=[0, 256, 256, 256, 256], call_tokens=CALL)
+    _cost(lanes, apart)
     assert all(len({lanes[i].prefix == 0 for i in c.lanes}) == 1 for c in apart)
+    assert not any(c.stacked for c in apart if lanes[c.lanes[0]].prefix == 0)  # no cache to stack
 
 
 def test_the_arrays_of_a_call_hold_its_lanes_and_only_them():
     rng = np.random.default_rng(2)
-    rows = _rows(rng, 6, header=10)
-    lanes = slab.lanes(rows, [0, 0, 0, 1, 1, 1], packable=True, width=buckets.PREFILL_CHUNK)
-    (call,) = slab.calls(lanes, SHAPES)
-    a = slab.arrays(lanes, call, rows, {0: 0, 1: 1})
+    rows = _rows(rng, 6, header=10, lo=60, hi=100)  # four lanes past the short width: one 4-lane call
+    lanes = slab.lanes(rows, [0, 0, 1, 1, 2, 3], packable=True, width=buckets.PREFILL_CHUNK)
+    (call,) = slab.calls(lanes, SHAPES, call_tokens=CALL)
+    assert call.stacked and len(call.lanes) == 4
+    a = slab.arrays(lanes, call, rows, {0: 0, 1: 1, 2: 2, 3: 3})
     L, T = call.shape
     assert a.tokens_LT.shape == (L, T) and a.label_ids_LRC.shape[2] == slab.CODES
     for j, i in enumerate(call.lanes):
@@ -96,7 +143,7 @@ def test_the_arrays_of_a_call_hold_its_lanes_and_only_them():
 def test_a_short_lane_of_many_tiny_rows_reads_every_one():
     rows = [Row([7, 8, 9, 10, 11], [1, 2]) for _ in range(12)]  # 60 tokens: the short lane, 12 answers
     lanes = slab.lanes(rows, [0] * len(rows), packable=True, width=buckets.PREFILL_CHUNK)
-    (call,) = slab.calls(lanes, SHAPES)
+    (call,) = slab.calls(lanes, SHAPES, call_tokens=CALL)
     assert call.shape == (1, buckets.SHORT_LANE)
     a = slab.arrays(lanes, call, rows, {0: 0})
     assert sorted(a.answer_LR[0, : len(rows)]) == [5 * k + 4 for k in range(len(rows))]

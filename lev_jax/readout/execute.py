@@ -195,9 +195,7 @@ class Executor:
         rows = [groups_rows[g][i] for g, i in flat]
         packed = slab_lib.lanes(rows, [g for g, _ in flat], packable=self.packable, width=buckets.PREFILL_CHUNK)
         calls = slab_lib.calls(
-            packed,
-            buckets.slab_shapes(self.platform),
-            stackable=lambda a, b: bool(slots[a]) == bool(slots[b]),  # no prefix never meets a cache
+            packed, buckets.slab_shapes(self.platform), slots=slots, call_tokens=buckets.call_tokens(self.platform)
         )
         return ReadPlan(rows, flat, single, packed, calls)
 
@@ -212,18 +210,26 @@ class Executor:
         cache's capacity, shape and whether it stacks several prefixes), and each other row's
         chunks and tail (`long_row_calls`). A batch whose keys were all seen before compiles nothing
         (round 2 of a grouped choice aside)."""
+        return {key for key, _, _ in self.batch_work(entries)}
+
+    def batch_work(self, entries) -> list[tuple[tuple, int, int]]:
+        """The device calls `read(entries)` makes, as (program key, tokens of the request in it,
+        tokens it computes): what `batch_programs` names, once per call, and the padding each call
+        computes (a prefix counted as computed, as on its first sight; a later request finds it in
+        the prefix cache)."""
         groups, _ = self.groups_of(entries)
-        keys: set[tuple] = set()
+        work: list[tuple[tuple, int, int]] = []
         for p, _ in groups:
-            keys |= prefill_programs(p) if len(p) else set()
-            keys |= {("vision", img.grid_thw) for img in getattr(p, "images", ())}
+            work += prefill_work(p) if len(p) else []
+            work += [(("vision", img.grid_thw), img.n_tokens, img.n_tokens) for img in getattr(p, "images", ())]
         filled = [buckets.prefilled(len(p)) for p, _ in groups]
         plan = self.read_plan([rows for _, rows in groups], [s for _, s in filled])
         for call in plan.calls:
-            keys.add(call.key(max(filled[plan.packed[i].prefix][1] for i in call.lanes)))
+            key = call.key(max(filled[plan.packed[i].prefix][1] for i in call.lanes))
+            work.append((key, sum(len(plan.packed[i].tokens) for i in call.lanes), call.shape[0] * call.shape[1]))
         for g, i in plan.single:
-            keys |= set(self.long_row_calls(*filled[g], groups[g][1][i]))
-        return keys
+            work += self.long_row_work(*filled[g], groups[g][1][i])
+        return work
 
     # -- readers -----------------------------------------------------------------------------------
     def prefix_cache(self, prefix_ids, usage: Usage | None = None):
@@ -342,13 +348,14 @@ class Executor:
         shared, or stacked: each prefix's cache grown to the largest capacity, padded to one per lane)."""
         bb = self.backbone
         members = sorted({plan.packed[i].prefix for i in call.lanes})
-        if caches[members[0]] is None or len(members) == 1:
-            cache, stack_row, stacked = caches[members[0]], {members[0]: 0}, False
+        stacked = call.stacked
+        if not stacked:  # one lane's prefix, or lanes without a prefix cache
+            cache, stack_row = caches[members[0]], {g: 0 for g in members}
         else:
             cap = max(int(caches[g]["valid"].shape[1]) for g in members)
             grown = [cache_lib.grow(caches[g], cap) for g in members]
             cache = cache_lib.concat_rows(grown + grown[:1] * (call.shape[0] - len(grown)))
-            stack_row, stacked = {g: k for k, g in enumerate(members)}, True
+            stack_row = {g: k for k, g in enumerate(members)}
         a = slab_lib.arrays(plan.packed, call, plan.rows, stack_row)
         packed = self.packable
         args = (
@@ -418,24 +425,31 @@ class Executor:
         the way), then ("tail", capacity, tail bucket, codes bucket) reading the row's last tokens
         (`tail_start`: the last `buckets.TAIL[0]` of a row longer than that, padded to a `buckets.TAIL`
         size), a Mode A or a Mode B row alike."""
+        return [key for key, _, _ in Executor.long_row_work(offset, slots, row)]
+
+    @staticmethod
+    def long_row_work(offset: int, slots: int, row: Row) -> list[tuple[tuple, int, int]]:
+        """`long_row_calls` as (key, the row's tokens in the call, tokens the call computes)."""
         n = len(row.tokens)
         lead = tail_start(row)
         calls = []
         for start, size, cap in buckets.chunks(lead, offset, slots) if lead else ():
             inside = markers_in(row, start, min(start + size, lead))
             if not slots:  # no prefix: the row's lead is one (prefill_programs)
-                calls.append(("prefill" if not cap else "chunk", cap, size))
+                key = ("prefill" if not cap else "chunk", cap, size)
             elif inside:
-                calls.append(("chunk-marked", cap, size, buckets.fit(len(inside), buckets.READ_CODES, "markers")))
+                key = ("chunk-marked", cap, size, buckets.fit(len(inside), buckets.READ_CODES, "markers"))
             else:
-                calls.append(("chunk", cap, size))
+                key = ("chunk", cap, size)
+            calls.append((key, min(size, lead - start), size))
             slots = max(cap, size)
         tail = row.after(lead)
         # a Mode B tail reads its own markers (their keys and the query; the earlier ones are joined on
         # the host), a Mode A tail its label codes: one program, one codes bucket for both
         width = max(1, len(tail.label_ids) if tail.markers is None else len(tail.markers))
         tail_len = buckets.fit(n - lead, buckets.TAIL, "question length")
-        return calls + [("tail", slots, tail_len, buckets.fit(width, buckets.READ_CODES, "label codes"))]
+        key = ("tail", slots, tail_len, buckets.fit(width, buckets.READ_CODES, "label codes"))
+        return calls + [(key, n - lead, tail_len)]
 
     def read_long_row(self, cache, offset: int, row: Row, lead_keys=None) -> np.ndarray:
         """Scores of one row read alone (`read_plan`: long, Mode B, wide, or after a prefix of more
@@ -523,9 +537,17 @@ def prefill_programs(prefix_ids) -> set[tuple]:
     (kind, 0, size) and each later chunk (kind, capacity, size). A text prefix's later chunks are the
     "chunk" programs long rows run too (a Mode B options block's too: every chunk returns its hidden
     states); one with images has programs of its own."""
+    return {key for key, _, _ in prefill_work(prefix_ids)}
+
+
+def prefill_work(prefix_ids) -> list[tuple[tuple, int, int]]:
+    """`prefill_programs` once per call, as (key, the prefix's tokens in it, tokens it computes)."""
     kind = prefill_program(prefix_ids)
     later = "chunk" if kind == "prefill" else kind
-    return {(kind if cap == 0 else later, cap, size) for _, size, cap in buckets.chunks(max(1, len(prefix_ids)))}
+    n = max(1, len(prefix_ids))
+    return [
+        ((kind if cap == 0 else later, cap, size), min(size, n - start), size) for start, size, cap in buckets.chunks(n)
+    ]
 
 
 def markers_in(row: Row, start: int, stop: int) -> list[int]:

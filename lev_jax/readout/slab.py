@@ -8,10 +8,11 @@ parent). Every row keeps its own positions (from the prefix's end), so a row rea
 would alone. Answers are read at R positions per lane, each against C label codes.
 
 The shapes are fixed, not fitted to each request: every short row after a prefix of up to a chunk
-(with the schema first: after its question's lead) is served by a few programs (one per slab shape,
-shared prefix or stacked prefixes), where a (rows bucket x row-length bucket x label-codes bucket)
-grid made a server compile dozens. Rows after a longer prefix are read one by one
-(readout.execute.read_plan).
+(with the schema first: after its question's lead) is served by a few programs (one per slab shape:
+a lane reads its prefix's cache as is, several lanes a cache stacked from theirs), where a (rows
+bucket x row-length bucket x label-codes bucket) grid made a server compile dozens. Which shapes a
+request's lanes take is planned at the least cost (`calls`). Rows after a longer prefix are read one
+by one (readout.execute.read_plan).
 
 A recurrent layer (Qwen3.5's Gated DeltaNet) runs through every token of a lane, so for a model that
 has one each lane holds one row (`packable=False`).
@@ -128,46 +129,58 @@ def lanes(rows: list[Row], prefix_of_row: list[int], *, packable: bool, width: i
 class Call:
     lanes: list[int]  # indices into the lanes
     shape: tuple[int, int]  # (L lanes, T tokens)
-    stacked: bool  # its lanes continue several prefixes (a stacked cache, read by index)
+    stacked: bool  # its lanes read a cache stacked from their prefixes' (by index), one row per lane
 
     def key(self, slots: int) -> tuple:
         """The program key: ("slab", cache slots, L, T, "stacked" | "shared")."""
         return ("slab", slots, *self.shape, "stacked" if self.stacked else "shared")
 
 
-def calls(packed: list[Lane], shapes: tuple[tuple[int, int], ...], *, stackable=lambda a, b: True) -> list[Call]:
-    """Lanes into calls of the slab shapes (`shapes`, (L, T) pairs). Lanes of one prefix take the
-    lane counts whose sum they are, largest first (7 lanes: 4 + 1 + 1 + 1, no empty lane computed), a lone
-    short lane the short shape; lanes of several prefixes (a micro-batch, or schema-first leads) are
-    stacked in calls of the most lanes, spread evenly, so a stacked cache comes in one shape. Lanes
-    of prefixes that `stackable` says cannot share a call (no cache, say) never do."""
-    counts = sorted({L for L, _ in shapes}, reverse=True)
+def calls(packed: list[Lane], shapes: tuple[tuple[int, int], ...], *, slots=None, call_tokens: int = 0) -> list[Call]:
+    """Lanes into calls of the slab shapes (`shapes`, (L, T) pairs) at the least cost, a call costing
+    its L x T tokens plus `call_tokens` (buckets.call_tokens: what a call costs beyond its tokens):
+    three short lanes take one 4 x 64 call, not three calls or a 4 x 256 one; seven chunk-long lanes
+    4 + 1 + 1 + 1 on a CPU (no empty lane computed). Fewer calls break a tie.
 
-    def shape(part: list[int]) -> tuple[int, int]:
-        longest = max(len(packed[i].tokens) for i in part)
-        return next((L, T) for L, T in shapes if L >= len(part) and T >= longest)
-
-    order = sorted(range(len(packed)), key=lambda i: (packed[i].prefix, -len(packed[i].tokens)))
-    classes: list[list[int]] = []
-    for i in order:
-        for c in classes:
-            if stackable(packed[c[0]].prefix, packed[i].prefix):
-                c.append(i)
-                break
-        else:
-            classes.append([i])
+    A call of one lane reads its prefix's cache as it is ("shared"); a call of more lanes reads a
+    cache stacked from its lanes' prefixes, one row per lane, whether they are one prefix's or a
+    micro-batch's, so one program serves both. `slots` (per prefix, its cache's slots; None: every
+    prefix has a cache) keeps lanes without a prefix cache out of calls with one: they never meet."""
+    slots = slots if slots is not None else [1] * (1 + max((ln.prefix for ln in packed), default=0))
     out = []
-    for c in classes:
-        if len({packed[i].prefix for i in c}) == 1:
-            while c:
-                n = next(L for L in counts if L <= len(c))
-                out.append(Call(c[:n], shape(c[:n]), False))
-                c = c[n:]
-            continue
-        for part in np.array_split(np.asarray(c), -(-len(c) // counts[0])):  # near-equal stacked calls
-            part = [int(i) for i in part]
-            stacked = len({packed[i].prefix for i in part}) > 1
-            out.append(Call(part, (counts[0], shape(part)[1]) if stacked else shape(part), stacked))
+    for cached in (True, False):
+        c = [i for i in range(len(packed)) if bool(slots[packed[i].prefix]) == cached]
+        c.sort(key=lambda i: (-len(packed[i].tokens), packed[i].prefix))
+        out += [
+            Call(c[a:b], shape, cached and shape[0] > 1)
+            for a, b, shape in _least_cost([len(packed[i].tokens) for i in c], shapes, call_tokens)
+        ]
+    return out
+
+
+def _least_cost(lengths: list[int], shapes, call_tokens: int) -> list[tuple[int, int, tuple[int, int]]]:
+    """(start, end, shape) calls over `lengths` (longest first) at the least (cost, calls). With the
+    lanes sorted, some cheapest plan gives every call a run of consecutive lanes (a call's width is
+    its longest lane's), so a call starting at lane i takes as many as it holds: a dynamic
+    programme over i."""
+    n = len(lengths)
+    best: list[tuple] = [(0, 0, 0, None)] * (n + 1)
+    for i in range(n - 1, -1, -1):
+        best[i] = min(
+            (
+                L * T + call_tokens + best[min(n, i + L)][0],
+                1 + best[min(n, i + L)][1],
+                -L,  # ties aside, the larger call first
+                (L, T),
+            )
+            for L, T in shapes
+            if T >= lengths[i]
+        )
+    out, i = [], 0
+    while i < n:
+        shape = best[i][3]
+        out.append((i, min(n, i + shape[0]), shape))
+        i = min(n, i + shape[0])
     return out
 
 

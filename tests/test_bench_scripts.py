@@ -1,4 +1,4 @@
-"""scripts/bench_options.py, bench_cold_start.py and bench_microbatch.py: argument parsing and the pure
+"""scripts/bench_options.py, bench_cold_start.py, bench_microbatch.py and bench_slab.py: argument parsing and the pure
 helpers (no timings asserted), and bench_options and bench_microbatch end to end on a tiny random
 checkpoint."""
 
@@ -282,3 +282,21 @@ def test_bench_images_arguments():
     assert (args.size, args.repeats, args.model) == (64, 2, None)
     with pytest.raises(SystemExit):
         B.parse_args(["--size", "8"])
+
+
+# --------------------------------------------------------------------------- bench_slab
+
+
+def test_bench_slab_times_every_slab_shape_and_fits_the_call_cost(tmp_path, capsys):
+    from lev_jax import buckets
+    from lev_jax.testing import save_tiny_checkpoint
+    from scripts import bench_slab
+
+    model = save_tiny_checkpoint(tmp_path / "tiny")
+    assert bench_slab.main(["--model", str(model), "--dtype", "float32", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and line.split("|")[1].strip()[:1].isdigit()]
+    shapes = [tuple(int(x) for x in line.split("|")[1].split(" x ")) for line in rows]
+    assert shapes == list(buckets.slab_shapes("cpu"))
+    assert all(float(line.split("|")[2]) > 0 for line in rows)
+    assert "tokens per call" in out

@@ -326,9 +326,14 @@ def _tokenizer_for(ckpt_dir: Path, cfg):
 
 
 def _load_gguf(path, dtype: str) -> Backbone:
-    from lev_jax.loaders import gguf, name_map
+    from lev_jax.loaders import gguf, name_map, prepared
 
     path = Path(path) if path is not None else gguf.embedded_default_path()
+    kept = prepared.load(path, dtype, lambda hf: models.abstract_params(models.config_from_hf(hf), dtype))
+    if kept is not None:  # read and converted by an earlier process (loaders/prepared.py)
+        hf_config, params, tokenizer = kept
+        cfg = models.config_from_hf(hf_config)
+        return Backbone(cfg, params, tokenizer, name=path.stem, source=str(path), hf_config=hf_config)
     ckpt = gguf.read_gguf(path)
     cfg = models.config_from_hf(ckpt.hf_config)
     abstract = models.abstract_params(cfg, dtype)
@@ -341,4 +346,5 @@ def _load_gguf(path, dtype: str) -> Backbone:
         return jnp.asarray(arr, dtype=leaf.dtype)
 
     params = name_map.assemble(ckpt.tensors(), abstract, cast, tied=cfg.tie_word_embeddings, source=str(path))
+    prepared.save(path, dtype, ckpt.hf_config, params, ckpt.tokenizer)
     return Backbone(cfg, params, ckpt.tokenizer, name=path.stem, source=str(path), hf_config=ckpt.hf_config)

@@ -61,7 +61,8 @@ def test_a_gguf_read_once_loads_from_its_prepared_copy_and_a_changed_one_is_read
     second = backbone.load_backbone(path, "bfloat16")
     assert len(reads) == 1  # the GGUF was not read
     _same(first, second)
-    assert backbone.load_backbone(path, "float32").params["embed_tokens"]["embedding"].dtype == np.float32  # one copy per dtype
+    fp32 = backbone.load_backbone(path, "float32")  # one copy per dtype
+    assert fp32.params["embed_tokens"]["embedding"].dtype == np.float32
     assert len(reads) == 2
 
     st = path.stat()

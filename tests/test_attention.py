@@ -70,3 +70,28 @@ def test_anchored_fails_loudly_where_a_cached_score_dwarfs_the_own_ones():
     bad = ~np.isfinite(anchored).all(axis=(2, 3))
     assert (bad & valid).any()  # some real token overflowed, and it shows
     np.testing.assert_allclose(anchored[~bad & valid], exact[~bad & valid], atol=1e-4)  # the rest is exact
+
+
+@pytest.mark.parametrize("form", ["shared", "per_row", "indexed"])
+def test_a_long_cache_is_read_block_by_block_and_its_empty_blocks_are_never_read(form, monkeypatch):
+    """A cache of several CACHE_BLOCKs (a chunk or a row in a capacity bucket up to twice its
+    slots): blocks without a valid slot are skipped -- NaN planted in one changes nothing, where
+    reading it at all would make every output NaN -- and the rest is the dense softmax."""
+    monkeypatch.setattr(layers, "CACHE_BLOCK", 8)  # S = 24: three blocks (read eagerly: no stale trace)
+    q, k, v, valid, ck, cv, _ = _inputs(3)
+    cache_valid = (jnp.arange(S) < 11)[None]  # the second block part-filled, the third empty
+    ref = _dense_reference((q, k, v, valid, ck, cv, cache_valid))
+    ck, cv = ck.at[..., 16:].set(jnp.nan), cv.at[:, :, 16:].set(jnp.nan)
+    rows = None
+    if form == "per_row":
+        ck, cv, cache_valid = (jnp.broadcast_to(x, (B,) + x.shape[1:]) for x in (ck, cv, cache_valid))
+    elif form == "indexed":
+        ck, cv, cache_valid = (jnp.concatenate([x, x]) for x in (ck, cv, cache_valid))
+        rows = jnp.array([0, 1, 0, 1, 0], jnp.int32)
+    for anchored in (False, True):
+        out = np.asarray(
+            layers.attend(q, k, v, valid, ck, cv, cache_valid, D**-0.5, anchored=anchored, cache_rows_B=rows)
+        )
+        assert np.isfinite(out).all()
+        real = np.asarray(valid)
+        np.testing.assert_allclose(out[real], ref[real], atol=2e-5)

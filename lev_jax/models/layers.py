@@ -293,6 +293,8 @@ def apply_rope(x_BTHD, cos_BTF, sin_BTF):
 # so nothing that matters underflows. A whole power of two (87 ln 2 = 60.3): the weights are the
 # exact path's times 2^-87, with the same mantissas, so bf16 rounds them the same way.
 ANCHOR_OFFSET = 87 * math.log(2)
+# a cache of at least two blocks of this many slots is read block by block, its empty blocks skipped
+CACHE_BLOCK = 1024
 
 
 def attend(
@@ -365,7 +367,8 @@ def attend(
     # XLA:CPU materialise a masked copy of them. A row that sees anything gives masked slots exactly
     # zero weight; a padding row that sees nothing gets finite weights (it is never read).
     bias_new_BRT = jnp.where(mask_new_BRT, 0.0, _MASKED).astype(f32)
-    blocks = []  # cached blocks: (keys, values, bias, shared by every row, rows to take per head)
+    # cached blocks: (keys, values, bias, shared by every row, rows to take per head, valid [B, S])
+    blocks = []
     if has_cache:
         bias_cache_B1S = jnp.where(cache_valid_BS[:, None, :], 0.0, _MASKED).astype(f32)
         blocks.append(
@@ -375,12 +378,13 @@ def attend(
                 _materialize(bias_cache_B1S[0, 0]) if shared else bias_cache_B1S,
                 shared,
                 cache_rows_B if indexed else None,
+                cache_valid_BS,
             )
         )
     if segment is not None:
         seg_k, seg_v, seg_valid_BS = segment
         bias_seg = jnp.where(seg_valid_BS[:, None, :], 0.0, _MASKED).astype(f32)
-        blocks.append((seg_k.astype(dt), seg_v.astype(dt), bias_seg, False, None))
+        blocks.append((seg_k.astype(dt), seg_v.astype(dt), bias_seg, False, None, None))
 
     def weights(s, m):  # `dtype` weights for the value product, and their exact fp32 sum
         p = jnp.exp(s - m).astype(dt)
@@ -395,19 +399,40 @@ def attend(
             m_n = jnp.where(m_n > _MASKED / 2, m_n, 0.0) + ANCHOR_OFFSET
         p_n, d_n = weights(s_n, m_n)
         parts = [(m_n, d_n, einsum("brt,btd->brd", p_n, v_BKTD[:, h]))]
-        for ck, cv, bias, one_row, rows in blocks:
+
+        def part(ck, cv, bias, one_row, rows, lo, hi, q_BRD=q_BRD, m_n=m_n, h=h):
+            """(max, weight sum, value product) of cached slots [lo, hi)."""
             if one_row:  # [B*R, D] x [D, S], kept 2-D through the value product
-                s_c = einsum("rd,ds->rs", q_BRD.reshape(B * R, D), ck[0, h]) + bias
+                s_c = einsum("rd,ds->rs", q_BRD.reshape(B * R, D), ck[0, h, :, lo:hi]) + bias[lo:hi]
                 m_c = m_n.reshape(B * R, 1) if anchored else s_c.max(axis=-1, keepdims=True)
                 p_c, d_c = weights(s_c, m_c)
-                o_c = einsum("rs,sd->rd", p_c, cv[0, h]).reshape(B, R, D)
-                parts.append((m_c.reshape(B, R, 1), d_c.reshape(B, R, 1), o_c))
-            else:
-                ck_h, cv_h = (ck[:, h], cv[:, h]) if rows is None else (ck[rows, h], cv[rows, h])
-                s_c = einsum("brd,bds->brs", q_BRD, ck_h) + bias
-                m_c = m_n if anchored else s_c.max(axis=-1, keepdims=True)
-                p_c, d_c = weights(s_c, m_c)
-                parts.append((m_c, d_c, einsum("brs,bsd->brd", p_c, cv_h)))
+                o_c = einsum("rs,sd->rd", p_c, cv[0, h, lo:hi]).reshape(B, R, D)
+                return m_c.reshape(B, R, 1), d_c.reshape(B, R, 1), o_c
+            ck_h, cv_h = (ck[:, h], cv[:, h]) if rows is None else (ck[rows, h], cv[rows, h])
+            s_c = einsum("brd,bds->brs", q_BRD, ck_h[..., lo:hi]) + bias[..., lo:hi]
+            m_c = m_n if anchored else s_c.max(axis=-1, keepdims=True)
+            p_c, d_c = weights(s_c, m_c)
+            return m_c, d_c, einsum("brs,bsd->brd", p_c, cv_h[:, lo:hi])
+
+        for ck, cv, bias, one_row, rows, valid_BS in blocks:
+            S = ck.shape[-1]
+            if valid_BS is None or S < 2 * CACHE_BLOCK:
+                parts.append(part(ck, cv, bias, one_row, rows, 0, S))
+                continue
+            # a long cache is read block by block, and a block without a valid slot is skipped: a
+            # chunk or a row after a prefix sits in a cache of the capacity that holds it
+            # (buckets.CAPACITY), up to twice the slots written, and attention over the empty half
+            # cost a long prefix's chunks more than their dense work
+            for lo in range(0, S, CACHE_BLOCK):
+                hi = min(S, lo + CACHE_BLOCK)
+                read = functools.partial(part, ck, cv, bias, one_row, rows, lo, hi)
+                out = jax.eval_shape(read)
+
+                def skip(out=out, m_n=m_n):
+                    m = m_n if anchored else jnp.full(out[0].shape, _MASKED, out[0].dtype)
+                    return m, jnp.zeros(out[1].shape, out[1].dtype), jnp.zeros(out[2].shape, out[2].dtype)
+
+                parts.append(jax.lax.cond(valid_BS[:, lo:hi].any(), read, skip))
         if anchored:  # one stabiliser for every block: plain sums
             outs.append(sum(o for _, _, o in parts) / sum(d for _, d, _ in parts))
             continue
